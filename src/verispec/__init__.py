@@ -1,0 +1,1 @@
+"""verispec: lossless speculative decoding."""

@@ -1,0 +1,111 @@
+"""Drafting with a language model: an independent small model, or the target's first N layers.
+
+The drafter keeps its own KV cache (one slot per running sequence) and remembers which tokens its
+rows hold. Before drafting it finds the longest prefix those rows share with the sequence's
+committed tokens, rolls back to it (O(1)), feeds the tokens it has not seen in one batched
+forward, then drafts k tokens one forward at a time. Sampled requests draw each draft token from
+the processed draft distribution q with the request's own generator; q goes to the verifier.
+
+Layer-skip self-drafting is the same thing with the target itself run for its first N layers
+(then the final norm and LM head): no weights are copied and no training is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models import CausalLM
+from ..sequence import Sequence
+from ..verify import probs, sample
+from .base import Draft, Drafter
+
+
+@dataclass
+class _State:
+    slot: int
+    cached: list[int] = field(default_factory=list)  # tokens whose KV rows the draft cache holds
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, model: CausalLM, max_batch: int, max_len: int, num_layers: int | None = None, name: str = "draft-model"):
+        n = num_layers or model.config.num_layers
+        if not 1 <= n <= model.config.num_layers:
+            raise ValueError(f"layer-skip needs 1 <= layers <= {model.config.num_layers}, got {n}")
+        self.model, self.num_layers, self.name = model, n, name
+        self.cache = model.new_cache(max_batch, max_len, n)
+
+    def _state(self, seq: Sequence) -> _State:
+        if seq.drafter_state is None:
+            seq.drafter_state = _State(self.cache.allocate(len(seq.prompt_ids) + seq.params.max_tokens + 1))
+        return seq.drafter_state
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        idx = [i for i, k in enumerate(ks) if k > 0]
+        drafts = [Draft([]) for _ in seqs]
+        if not idx:
+            return drafts
+        run = [seqs[i] for i in idx]
+        kmax = max(ks[i] for i in idx)
+        states = [self._state(s) for s in run]
+        # 1. catch up: feed the committed tokens the draft cache does not hold yet
+        feeds = []
+        for s, st in zip(run, states):
+            c = _common_prefix(st.cached, s.tokens, len(s.tokens) - 1)
+            self.cache.rollback(st.slot, c)
+            del st.cached[c:]
+            feeds.append(s.tokens[c:])
+        T = max(len(f) for f in feeds)
+        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=self.model.device)
+        rows = torch.tensor([[len(f) - 1] for f in feeds], device=self.model.device)
+        last = self._forward(ids, states, logit_rows=rows)[:, 0]  # [B, V]
+        for st, f in zip(states, feeds):
+            self.cache.commit(st.slot, len(f))
+            st.cached += f
+        # 2. draft one token at a time
+        toks = [[] for _ in run]
+        qs = [[] for _ in run]
+        for j in range(kmax):
+            nxt = []
+            for b, s in enumerate(run):
+                if s.params.greedy:
+                    t = int(last[b].argmax())
+                else:
+                    q = probs(last[b : b + 1], s.params)[0]
+                    t = sample(q, s.generator) if j < ks[idx[b]] else 0
+                    qs[b].append(q)
+                nxt.append(t)
+                if j < ks[idx[b]]:
+                    toks[b].append(t)
+            if j == kmax - 1:
+                break
+            last = self._forward(torch.tensor(nxt, device=self.model.device)[:, None], states)[:, 0]
+            for b, st in enumerate(states):
+                if j + 1 < ks[idx[b]]:  # that token's row is kept only if the draft goes on
+                    self.cache.commit(st.slot, 1)
+                    st.cached.append(nxt[b])
+        for b, i in enumerate(idx):
+            q = torch.stack(qs[b][: ks[i]]) if qs[b] else None
+            drafts[i] = Draft(toks[b], q)
+        return drafts
+
+    def _forward(self, ids, states, logit_rows=None):
+        slots = [st.slot for st in states]
+        starts = torch.tensor([self.cache.lengths[s] for s in slots])
+        out = self.model(ids, self.cache, slots, starts, logit_rows=logit_rows, num_layers=self.num_layers)
+        return out.logits
+
+    def release(self, seq: Sequence) -> None:
+        if seq.drafter_state is not None:
+            self.cache.free(seq.drafter_state.slot)
+            seq.drafter_state = None
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

