@@ -53,6 +53,8 @@ class KVCache:
         return slot
 
     def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"KV slot {slot} is already free")
         self.lengths[slot] = 0
         self._free.append(slot)
 

@@ -87,7 +87,7 @@ class ModelConfig:
             gemma_norms=gemma,
             attn_scale=(hf.query_pre_attn_scalar**-0.5) if gemma else head_dim**-0.5,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
-            attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None),
+            attn_logit_softcap=None if gemma else getattr(hf, "attn_logit_softcapping", None),  # unused by Gemma 3
             sliding_windows=windows,
             rope_kinds=[t if t in rope else "full_attention" for t in layer_types],
             rope=rope,

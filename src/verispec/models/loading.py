@@ -141,7 +141,7 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | tor
     for k in unexpected:
         sd.pop(k)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True, strict=True)
-    return model.to(device).eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False).fuse()
 
 
 def _strip_prefix(key: str) -> str:
