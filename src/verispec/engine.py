@@ -84,6 +84,7 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, drafter: Drafter | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.drafter = drafter
+        model.set_batch_invariant(config.exact)
         self.max_len = min(config.max_model_len, model.config.max_position_embeddings)
         self.cache: KVCache = model.new_cache(config.max_batch_size, self.max_len + config.num_draft_tokens + 1)
         self.waiting: deque[Sequence] = deque()

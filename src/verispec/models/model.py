@@ -24,18 +24,30 @@ from .config import ModelConfig
 from ..kv import KVCache
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T, choosing the fastest CPU kernel for decode-sized inputs.
 
     On CPU, bf16 `F.linear` with a handful of rows is 1.4-1.7x slower than `mv` (one row) or
     `weight @ x.T` (a few rows) on the same weights (measured on the 2-core dev machine).
     Large inputs (prefill) and other devices take the ordinary path.
+
+    invariant=True takes a path whose result for a row does not depend on how many other rows are
+    in the call nor where the row is (checked bit for bit in tests/test_exact_numerics.py): in
+    bf16 `mv` / `weight @ x.T` (no extra cost on this CPU), in fp32 one `mv` per row (MKL's fp32
+    GEMM is not row-invariant, so verifying k + 1 rows then costs k + 1 weight reads). `F.linear`
+    switches kernels with the row count, so without it the same token can round differently in
+    a verify window than in a one-token decode step.
     """
     M = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or x.dtype == torch.float32 or M > 16:
+    if not invariant and (x.device.type != "cpu" or x.dtype == torch.float32 or M > 16):
         return F.linear(x, weight, bias)
     x2 = x.reshape(M, x.shape[-1])
-    y = torch.mv(weight, x2[0])[None] if M == 1 else (weight @ x2.t()).t()
+    if M == 1:
+        y = torch.mv(weight, x2[0])[None]
+    elif invariant and x.dtype == torch.float32:  # MKL's fp32 GEMM is not row-invariant: one GEMV per row
+        y = torch.stack([torch.mv(weight, row) for row in x2])
+    else:
+        y = (weight @ x2.t()).t()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -85,6 +97,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
             self.k_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
         self.qkv: tuple | None = None  # fused (weight, bias) once `fuse()` ran
+        self.invariant = False  # batch-invariant matmuls (exact mode)
 
     def fuse(self):
         self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
@@ -99,9 +112,9 @@ class Attention(nn.Module):
         c = self.c
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv).split([nq, nk, nk], dim=-1)
+            q, k, v = linear(x, *self.qkv, self.invariant).split([nq, nk, nk], dim=-1)
         else:
-            q, k, v = (linear(x, m.weight, m.bias) for m in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (linear(x, m.weight, m.bias, self.invariant) for m in (self.q_proj, self.k_proj, self.v_proj))
         q = q.reshape(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # [B, h, T, hd]
         k = k.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
@@ -118,7 +131,7 @@ class Attention(nn.Module):
             )
         else:
             o = _softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
-        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,17 +157,19 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.gelu = c.activation == "gelu_tanh"
         self.gate_up: tuple | None = None
+        self.invariant = False
 
     def fuse(self):
         self.gate_up = fuse_rows(self.gate_proj, self.up_proj)
 
     def forward(self, x):
         if self.gate_up is not None:
-            g, u = linear(x, *self.gate_up).chunk(2, dim=-1)
+            g, u = linear(x, *self.gate_up, self.invariant).chunk(2, dim=-1)
         else:
-            g, u = linear(x, self.gate_proj.weight, self.gate_proj.bias), linear(x, self.up_proj.weight, self.up_proj.bias)
+            g = linear(x, self.gate_proj.weight, self.gate_proj.bias, self.invariant)
+            u = linear(x, self.up_proj.weight, self.up_proj.bias, self.invariant)
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return linear(g * u, self.down_proj.weight, self.down_proj.bias)
+        return linear(g * u, self.down_proj.weight, self.down_proj.bias, self.invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -205,6 +220,14 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self._rope_cache: dict = {}
         self._rope_len = 0  # RoPE table rows; grown by new_cache to the longest cache
+        self.invariant = False
+
+    def set_batch_invariant(self, on: bool) -> "CausalLM":
+        """Exact mode: every matmul gives a row the same bits whatever else is in the batch."""
+        self.invariant = on
+        for layer in self.model.layers:
+            layer.self_attn.invariant = layer.mlp.invariant = on
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
@@ -257,7 +280,7 @@ class CausalLM(nn.Module):
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [..., H] after the final norm -> fp32 logits [..., V]."""
-        logits = linear(h, self.head_weight()).float()
+        logits = linear(h, self.head_weight(), None, self.invariant).float()
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
