@@ -46,19 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true", help="also decode without speculation and report the speed-up")
     g.add_argument("--json", action="store_true", help="print one JSON document (token ids, text, statistics)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.set_defaults(run=cmd_generate)
+    for add in EXTRA_COMMANDS:
+        add(sub)
     return p
+
+
+def _extra_commands():
+    """Other subcommands live beside the code they drive; each module has `add_parser(subparsers)`,
+    which registers its arguments and `set_defaults(run=...)`. Add one import line per command."""
+    return []
+
+
+EXTRA_COMMANDS = _extra_commands()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
+        return args.run(args) or 0
     except UserError as e:
         print(f"verispec: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    return 0
 
 
 def _prompts(args) -> list[str]:

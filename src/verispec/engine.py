@@ -139,8 +139,7 @@ class Engine:
         ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
         starts = torch.tensor([self.cache.lengths[s.slot] for s in seqs])
         out = self.model(
-            ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts,
-            taps=self.drafter.target_taps if self.drafter else (),
+            ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts, taps=self._taps,
             kv_len=self.cache.max_len if self.config.exact else None,
         )
         logits = out.logits  # [B, width, V]
@@ -153,11 +152,23 @@ class Engine:
                 v = accept_sampled(probs(logits[b, : k + 1], s.params), d.tokens, d.q, s.generator)
             s.stats.record(k, v.accepted, len(v.tokens))
             self.cache.commit(s.slot, 1 + v.accepted)
+            self._observe(s, out, b, int(starts[b]), 1 + v.accepted)
             if self._append(s, v.tokens):
                 done.append(s)
-        if self.drafter is not None and self.drafter.target_taps:
-            self.drafter.observe(seqs, out.hidden)
         return done
+
+    @property
+    def _taps(self) -> tuple[int, ...]:
+        return tuple(t for t in self.drafter.target_taps if t >= 0) if self.drafter else ()
+
+    def _observe(self, seq: Sequence, out, b: int, start: int, n: int) -> None:
+        """Hand the drafter the target hidden states of the n rows just committed for seq."""
+        if self.drafter is None or not self.drafter.target_taps or seq.finished:
+            return
+        hidden = {i: h[b, :n] for i, h in out.hidden.items()}
+        if -1 in self.drafter.target_taps:
+            hidden[-1] = out.last_hidden[b, :n]
+        self.drafter.observe(seq, start, hidden)
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         if self.drafter is None or not any(k > 0 for k in ks):
@@ -188,10 +199,11 @@ class Engine:
             out = self.model(
                 chunk, self.cache, [seq.slot], torch.tensor([i]),
                 logit_rows=torch.tensor([[chunk.shape[1] - 1]]),
-                want_logits=i + C >= len(ids),
+                want_logits=i + C >= len(ids), taps=self._taps,
                 kv_len=self.cache.max_len if self.config.exact else None,
             )
             self.cache.commit(seq.slot, chunk.shape[1])
+            self._observe(seq, out, 0, i, chunk.shape[1])
         return out.logits[0, 0]
 
     def _append(self, seq: Sequence, tokens: list[int]) -> bool:

@@ -22,14 +22,17 @@ class Draft:
 
 class Drafter:
     name = "drafter"
-    target_taps: tuple[int, ...] = ()  # target layer outputs this drafter wants to observe
+    # target layer outputs this drafter wants to observe (layer i's output; -1: after the final norm)
+    target_taps: tuple[int, ...] = ()
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Up to ks[i] draft tokens for each sequence (sampled with the sequence's params and generator)."""
         raise NotImplementedError
 
-    def observe(self, seqs: list[Sequence], hidden: dict[int, torch.Tensor]) -> None:
-        """Called after each target forward with the requested target hidden states."""
+    def observe(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor]) -> None:
+        """Target hidden states of newly committed tokens: hidden[i] is [n, H] for the tokens
+        seq.tokens[start : start + n] (prompt chunks at prefill; the last token plus the accepted
+        drafts after a step). Called only when `target_taps` is not empty."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence has finished: free what the drafter kept for it."""
