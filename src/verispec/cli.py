@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
     """Other subcommands live beside the code they drive; each module has `add_parser(subparsers)`,
     which registers its arguments and `set_defaults(run=...)`. Add one import line per command."""
-    return []
+    from .bench.cli import add_parser as bench
+    from .train.cli import parsers as train_data_export  # data, train, export
+
+    return [bench, *train_data_export()]
 
 
 EXTRA_COMMANDS = _extra_commands()

@@ -12,6 +12,7 @@ draft length, so a batch mixes greedy and sampled requests freely.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -24,6 +25,8 @@ from .kv import CacheFullError, KVCache
 from .models import DEFAULT_MODEL, CausalLM, load_model, load_tokenizer
 from .sequence import Sequence, SpecStats
 from .verify import SamplingParams, accept_greedy, accept_sampled, probs, sample
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -39,7 +42,7 @@ class EngineConfig:
     max_batch_size: int = 8
     max_model_len: int = 2048  # KV rows per sequence (prompt + output + draft)
     exact: bool = False  # same numerics for every position: fixed-width verify window, static KV length
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256  # prompt tokens prefilled per engine step, over all requests
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -80,15 +83,29 @@ class GenerateResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
 
+@dataclass
+class StepEvent:
+    """What one request got from one engine step (the server streams these)."""
+
+    seq: Sequence
+    new_tokens: list[int]
+    finished: bool
+
+
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, drafter: Drafter | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.drafter = drafter
-        model.set_batch_invariant(config.exact)
+        # Decode/verify forwards use batch-invariant matmuls whenever that is free (bf16/fp16 on CPU:
+        # mv / W @ x.T is also the fastest kernel), so a token's bits do not depend on the window
+        # width or on which other requests share the batch; fp32 pays for it only in exact mode.
+        self.decode_invariant = config.exact or model.dtype != torch.float32
         self.max_len = min(config.max_model_len, model.config.max_position_embeddings)
         self.cache: KVCache = model.new_cache(config.max_batch_size, self.max_len + config.num_draft_tokens + 1)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # holding a KV slot, prompt partly in the cache
+        self.running: list[Sequence] = []  # decoding
+        self.drafter_errors = 0
         self._ids = 0
         self.eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -96,6 +113,7 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> Sequence:
+        """Queue a request; it waits (never dropped) until a KV slot is free."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         need = len(prompt_ids) + params.max_tokens
@@ -108,7 +126,7 @@ class Engine:
         gen = torch.Generator(self.model.device).manual_seed(seed)
         seq = Sequence(self._ids, list(prompt_ids), params, gen)
         k = self.config.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        seq.num_draft_tokens = k if self.drafter is not None else 0
+        seq.num_draft_tokens = max(0, k) if self.drafter is not None else 0
         self._ids += 1
         self.waiting.append(seq)
         return seq
@@ -117,33 +135,47 @@ class Engine:
         """Cancel a request: its KV slot is free at once."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if seq in self.running:
+            seq.finish_reason = "abort"
+        elif seq in self.prefilling or seq in self.running:
             self._finish(seq, "abort")
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.prefilling) + len(self.running)
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that finished in it."""
-        done = self._admit()
-        seqs = [s for s in self.running]
-        if not seqs:
-            return done
+    def step(self) -> list[StepEvent]:
+        """One engine step: admit, one budget of prefill chunks, then one speculative decode step
+        for every running request. Returns what each request received."""
+        while self.waiting and self.cache.num_free:
+            seq = self.waiting.popleft()
+            seq.slot = self.cache.allocate(len(seq.prompt_ids) + seq.params.max_tokens)
+            self.prefilling.append(seq)
+        events = self._prefill_step()
+        if self.running:
+            events += self._decode_step(list(self.running))
+        return events
+
+    def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
         kcap = self.config.num_draft_tokens  # the KV slack and the exact-mode window are sized for it
         ks = [max(0, min(s.num_draft_tokens, kcap, s.params.max_tokens - s.num_output - 1)) for s in seqs]
         drafts = self._propose(seqs, ks)
-        width = 1 + (self.config.num_draft_tokens if self.config.exact else max(len(d.tokens) for d in drafts))
+        width = 1 + (kcap if self.config.exact else max(len(d.tokens) for d in drafts))
         ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
         starts = torch.tensor([self.cache.lengths[s.slot] for s in seqs])
+        self.model.set_batch_invariant(self.decode_invariant)
         out = self.model(
             ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts, taps=self._taps,
             kv_len=self.cache.max_len if self.config.exact else None,
         )
         logits = out.logits  # [B, width, V]
         greedy_next = logits.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else None
+        events = []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             k = len(d.tokens)
             if s.params.greedy:
@@ -153,9 +185,57 @@ class Engine:
             s.stats.record(k, v.accepted, len(v.tokens))
             self.cache.commit(s.slot, 1 + v.accepted)
             self._observe(s, out, b, int(starts[b]), 1 + v.accepted)
-            if self._append(s, v.tokens):
-                done.append(s)
-        return done
+            events.append(self._emit(s, v.tokens, logits[b, : len(v.tokens)]))
+        return events
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        """Drafts for the batch. A drafter that raises is retried request by request; a request
+        whose drafting fails falls back to plain decoding for good (counted in drafter_errors)."""
+        if self.drafter is None or not any(k > 0 for k in ks):
+            return [Draft([]) for _ in seqs]
+        try:
+            drafts = self.drafter.propose(seqs, ks)
+        except Exception:
+            drafts = []
+            for s, k in zip(seqs, ks):
+                try:
+                    drafts.append(self.drafter.propose([s], [k])[0] if k > 0 else Draft([]))
+                except Exception:
+                    log.exception("drafter %s failed for request %d; it continues without speculation",
+                                  self.drafter.name, s.id)
+                    self.drafter_errors += 1
+                    s.num_draft_tokens = 0
+                    drafts.append(Draft([]))
+        return [Draft(d.tokens[:k], None if d.q is None else d.q[:k]) for d, k in zip(drafts, ks)]
+
+    def _prefill_step(self) -> list[StepEvent]:
+        """Feed prompt chunks, at most `prefill_chunk` tokens in all per step, so a long prompt
+        delays the running requests' decode by one chunk at a time instead of stalling them."""
+        budget = self.config.prefill_chunk
+        events = []
+        self.model.set_batch_invariant(self.config.exact)
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            done_rows = self.cache.lengths[seq.slot]
+            chunk_ids = seq.prompt_ids[done_rows : done_rows + budget]
+            last = done_rows + len(chunk_ids) == len(seq.prompt_ids)
+            out = self.model(
+                torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
+                logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
+                kv_len=self.cache.max_len if self.config.exact else None,
+            )
+            self.cache.commit(seq.slot, len(chunk_ids))
+            self._observe(seq, out, 0, done_rows, len(chunk_ids))
+            budget -= len(chunk_ids)
+            if last:
+                self.prefilling.remove(seq)
+                self.running.append(seq)
+                logits = out.logits[0]  # [1, V]
+                p = seq.params
+                first = int(logits[0].argmax()) if p.greedy else sample(probs(logits, p)[0], seq.generator)
+                events.append(self._emit(seq, [first], logits))
+        return events
 
     @property
     def _taps(self) -> tuple[int, ...]:
@@ -170,58 +250,35 @@ class Engine:
             hidden[-1] = out.last_hidden[b, :n]
         self.drafter.observe(seq, start, hidden)
 
-    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        if self.drafter is None or not any(k > 0 for k in ks):
-            return [Draft([]) for _ in seqs]
-        drafts = self.drafter.propose(seqs, ks)
-        return [Draft(d.tokens[:k], None if d.q is None else d.q[:k]) for d, k in zip(drafts, ks)]
-
-    def _admit(self) -> list[Sequence]:
-        """Move waiting requests into free KV slots and prefill them (their first token comes from it)."""
-        done = []
-        while self.waiting and self.cache.num_free:
-            seq = self.waiting.popleft()
-            seq.slot = self.cache.allocate(len(seq.prompt_ids) + seq.params.max_tokens)
-            self.running.append(seq)
-            logits = self._prefill(seq)
-            p = seq.params
-            first = int(logits.argmax()) if p.greedy else sample(probs(logits[None], p)[0], seq.generator)
-            if self._append(seq, [first]):
-                done.append(seq)
-        return done
-
-    def _prefill(self, seq: Sequence) -> torch.Tensor:
-        """Feed the prompt in chunks; returns the logits [V] for the first new token."""
-        ids = seq.prompt_ids
-        C = self.config.prefill_chunk
-        for i in range(0, len(ids), C):
-            chunk = torch.tensor([ids[i : i + C]], device=self.model.device)
-            out = self.model(
-                chunk, self.cache, [seq.slot], torch.tensor([i]),
-                logit_rows=torch.tensor([[chunk.shape[1] - 1]]),
-                want_logits=i + C >= len(ids), taps=self._taps,
-                kv_len=self.cache.max_len if self.config.exact else None,
-            )
-            self.cache.commit(seq.slot, chunk.shape[1])
-            self._observe(seq, out, 0, i, chunk.shape[1])
-        return out.logits[0, 0]
-
-    def _append(self, seq: Sequence, tokens: list[int]) -> bool:
-        """Append emitted tokens up to a stop condition; finishes the sequence if one is met."""
+    def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> StepEvent:
+        """Append emitted tokens up to a stop condition (finishing the sequence if one is met).
+        logits: [len(tokens), V], the target logits each token was chosen from (for logprobs)."""
         p = seq.params
+        kept = []
         for t in tokens:
+            kept.append(t)
             seq.tokens.append(t)
             if (t in self.eos and not p.ignore_eos) or t in p.stop_token_ids:
                 self._finish(seq, "stop")
-                return True
+                break
             if seq.num_output >= p.max_tokens:
                 self._finish(seq, "length")
-                return True
-        return False
+                break
+        if p.logprobs is not None:
+            lp = logits[: len(kept)].float().log_softmax(-1)  # [n, V]
+            chosen = lp.gather(1, torch.tensor(kept, device=lp.device)[:, None])[:, 0].tolist()
+            top = lp.topk(p.logprobs, dim=-1) if p.logprobs > 0 else None
+            for i, t in enumerate(kept):
+                alts = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
+                seq.logprobs.append((t, chosen[i], alts))
+        return StepEvent(seq, kept, seq.finished)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.prefilling.remove(seq)
         self.cache.free(seq.slot)
         if self.drafter is not None:
             self.drafter.release(seq)

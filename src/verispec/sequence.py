@@ -93,6 +93,8 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_state: object = None  # owned by the drafter
+    num_draft_tokens: int = 0  # this request's draft length (0: no speculation)
+    logprobs: list = field(default_factory=list)  # per output token: (token, logprob, {top token: logprob})
 
     def __post_init__(self):
         if not self.tokens:

@@ -31,24 +31,34 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none; n >= 0: the chosen token's logprob and the top n
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (self.temperature >= 0 and self.temperature != float("inf")):
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """logits [N, V] fp32 -> processed probabilities [N, V] (temperature, then top-k, then top-p)."""
+    """logits [N, V] fp32 -> processed probabilities [N, V] (temperature, then top-k, then top-p).
+    Greedy (temperature 0) is the one-hot distribution on the argmax."""
+    if sp.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / sp.temperature
     if sp.top_k is not None and sp.top_k < logits.shape[-1]:
         kth = logits.topk(sp.top_k, dim=-1).values[..., -1:]  # [N, 1]

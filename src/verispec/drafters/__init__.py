@@ -15,8 +15,17 @@ def make_drafter(spec: str, target, max_batch: int, max_len: int, dtype: torch.d
     ngram[:MAX_N]         prompt lookup over prompt + output (default n = 3..1)
     layerskip:N           the target's first N layers + final norm + LM head
     draft:PATH            an independent smaller model with the same tokenizer (folder or .gguf)
+    eagle3:DIR | DIR      an EAGLE-3 head in the speculators format (config.json + model.safetensors)
     """
     kind, _, arg = spec.partition(":")
+    from .eagle3 import CheckpointError, is_eagle3_dir, make_eagle3_drafter
+
+    if kind == "eagle3" or is_eagle3_dir(spec):  # eagle3:DIR, or a speculators checkpoint folder
+        path = arg if kind == "eagle3" else spec
+        try:
+            return make_eagle3_drafter(path, target, max_batch, max_len, dtype, device)
+        except CheckpointError as e:
+            raise ValueError(str(e)) from e
     if kind == "ngram":
         return NgramDrafter(max_n=int(arg) if arg else 3)
     if kind == "layerskip":
@@ -33,7 +42,7 @@ def make_drafter(spec: str, target, max_batch: int, max_len: int, dtype: torch.d
                 f"({target.config.vocab_size}); a draft model must share the target's tokenizer"
             )
         return ModelDrafter(model, max_batch, max_len, name=f"draft:{arg}")
-    raise ValueError(f"unknown drafter {spec!r}; use ngram[:N], layerskip:N or draft:PATH")
+    raise ValueError(f"unknown drafter {spec!r}; use ngram[:N], layerskip:N, draft:PATH or eagle3:DIR")
 
 
 __all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "make_drafter"]

@@ -57,10 +57,18 @@ class ModelDrafter(Drafter):
             self.cache.rollback(st.slot, c)
             del st.cached[c:]
             feeds.append(s.tokens[c:])
-        T = max(len(f) for f in feeds)
-        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=self.model.device)
-        rows = torch.tensor([[len(f) - 1] for f in feeds], device=self.model.device)
-        last = self._forward(ids, states, logit_rows=rows)[:, 0]  # [B, V]
+        # short feeds (the accepted tokens of the last step) go in one padded batch; a long one
+        # (a new prompt) alone, so padding never writes past any slot's end
+        short = [b for b, f in enumerate(feeds) if len(f) <= kmax + 1]
+        groups = ([short] if short else []) + [[b] for b in range(len(feeds)) if b not in short]
+        last = [None] * len(feeds)
+        for g in groups:
+            T = max(len(feeds[b]) for b in g)
+            ids = torch.tensor([feeds[b] + [0] * (T - len(feeds[b])) for b in g], device=self.model.device)
+            rows = torch.tensor([[len(feeds[b]) - 1] for b in g], device=self.model.device)
+            for b, lg in zip(g, self._forward(ids, [states[b] for b in g], logit_rows=rows)[:, 0]):
+                last[b] = lg
+        last = torch.stack(last)  # [B, V]
         for st, f in zip(states, feeds):
             self.cache.commit(st.slot, len(f))
             st.cached += f

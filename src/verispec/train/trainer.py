@@ -1,0 +1,304 @@
+"""One training loop for the EAGLE-3 drafter (drafters/eagle3.py: the module that also serves).
+
+- data: `verispec data` folders (stored hidden states, or token ids with the target run in the loop);
+- training-time test unrolling (`ttt_steps`, loss decay per step), forward KL or CE (losses.py);
+- AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast (CPU and CUDA);
+- a checkpoint every `save_every` steps (model, optimizer, scheduler, RNG states, data position =
+  the global step), written atomically; a killed run restarted with the same command resumes from it
+  and ends with the same weights as an uninterrupted run;
+- data parallel under torchrun (DDP; gloo on CPU): the global batch is split across ranks and loss
+  denominators are summed across ranks, so N processes give the weights one process gives;
+- a held-out split evaluated with per-position acceptance estimates; the final drafter is exported
+  in the speculators format (bf16 by default) into `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..drafters.eagle3 import Eagle3Config, Eagle3Model, build_vocab_mapping
+from .dataset import HiddenStateData, collate, global_batch, online_states
+from .losses import eagle3_loss, summarize
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    model: str | None = None  # the target (default: the model recorded in the data index)
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 3
+    step_loss_decay: float = 0.8
+    loss: str = "kl"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 0.5
+    batch_size: int = 8  # global batch (samples)
+    epochs: float = 1.0
+    steps: int | None = None  # overrides epochs
+    max_len: int = 1024
+    val_fraction: float = 0.05
+    seed: int = 0
+    save_every: int = 50
+    eval_every: int = 0  # 0: only at the end
+    bf16: bool = True
+    fc_norm: bool = False
+    norm_output: bool = False
+    num_layers: int = 1
+    intermediate_size: int | None = None
+    train_lm_head: bool = False
+    export_dtype: str = "bfloat16"
+    progress: bool = True
+    stop_after: int | None = None  # leave after this many steps of this run (as if killed after a checkpoint)
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# distributed
+
+
+class Dist:
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1:
+            import torch.distributed as td
+
+            if not td.is_initialized():
+                td.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+            self.td = td
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            self.td.all_reduce(t)
+        return t
+
+    def barrier(self):
+        if self.world > 1:
+            self.td.barrier()
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+# --------------------------------------------------------------------------------------------
+# model set-up
+
+
+def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
+    V = target.config.vocab_size
+    vd = min(cfg.draft_vocab_size, V)
+    kw = {}
+    if cfg.intermediate_size:
+        kw["intermediate_size"] = cfg.intermediate_size
+    c = Eagle3Config.for_target(target, draft_vocab_size=vd, aux_layers=data.layers, fc_norm=cfg.fc_norm,
+                                norm_output=cfg.norm_output, num_layers=cfg.num_layers,
+                                speculative_tokens=cfg.ttt_steps, **kw)
+    c.verifier = data.index.get("model") or cfg.model
+    torch.manual_seed(cfg.seed)
+    model = Eagle3Model(c, embed_weight=target.model.embed_tokens.weight)
+    if model.use_draft_vocab:
+        counts = data.token_counts if data.token_counts is not None else torch.zeros(V)
+        model.set_vocab_mapping(*build_vocab_mapping(counts.double(), vd))
+    with torch.no_grad():  # the LM head starts as the target's rows of the draft vocabulary (speculators does too)
+        model.lm_head.weight.copy_(target.head_weight()[model.draft_to_target()].float())
+    model.lm_head.weight.requires_grad_(cfg.train_lm_head)
+    return model
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        p = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def save_state(path: Path, model, opt, sched, step: int, cfg: TrainConfig) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "config": asdict(cfg),
+    }, tmp / "state.pt")
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_state(path: Path, model, opt, sched) -> int:
+    st = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"])
+    torch.set_rng_state(st["rng"]["torch"])
+    random.setstate(st["rng"]["python"])
+    return int(st["step"])
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+
+
+def _autocast(on: bool, device):
+    dev = torch.device(device).type
+    return torch.autocast(dev, dtype=torch.bfloat16, enabled=on)
+
+
+def evaluate(model: Eagle3Model, target, data: HiddenStateData, idx: list[int], cfg: TrainConfig, batch_size: int = 8,
+             dist: Dist | None = None) -> dict:
+    """Per-position acceptance estimates on held-out samples (greedy data: P(draft == target's token))."""
+    if not idx:
+        return {}
+    head, cap, d2t, t2d = _head(model, target)
+    acc: dict = {}
+    with torch.no_grad():
+        for i in range(0, len(idx), batch_size):
+            b = collate([data.samples[j] for j in idx[i : i + batch_size]])
+            if "aux" not in b:
+                b = online_states(target, b, data.layers)
+            with _autocast(cfg.bf16, target.device):
+                outs = model(b["aux"], b["ids"], b["valid"], steps=cfg.ttt_steps)
+                _, m = eagle3_loss(outs, b, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss)
+            for k, (a, n) in m.items():
+                s0, n0 = acc.get(k, (0.0, 0.0))
+                acc[k] = (s0 + a, n0 + n)
+    r = summarize(acc, dist.reduce if dist else None)
+    K = sum(1 for k in r if k.startswith("acc_all_"))
+    r["acceptance_unconditional"] = [r[f"acc_all_{s}"] for s in range(K)]
+    r["acceptance_conditional"] = [r[f"acc_all_{s}"] / r[f"acc_all_{s-1}"] if s and r[f"acc_all_{s-1}"] else
+                                   (r[f"acc_all_{s}"] if not s else 0.0) for s in range(K)]
+    r["expected_tau"] = 1 + sum(r["acceptance_unconditional"])  # chain of K drafts, bonus token included
+    return r
+
+
+def _head(model: Eagle3Model, target):
+    d2t = model.draft_to_target()
+    head = target.head_weight()[d2t].detach()
+    t2d = model.target_to_draft(torch.arange(target.config.vocab_size))
+    return head, target.config.final_logit_softcap, d2t, t2d
+
+
+def train(cfg: TrainConfig, target=None) -> dict:
+    """Run (or resume) a training run; returns the final held-out evaluation."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist = Dist()
+    out = Path(cfg.out)
+    data = HiddenStateData(cfg.data, cfg.max_len)
+    if target is None:
+        from ..models import load_model
+
+        name = cfg.model or data.index.get("model")
+        if not name:
+            raise ValueError("the data index names no target model; pass --model")
+        target = load_model(name, torch.float32 if not cfg.bf16 else torch.bfloat16, "cpu")
+    if data.index["hidden_size"] != target.config.hidden_size or data.index["vocab_size"] != target.config.vocab_size:
+        raise ValueError(f"{cfg.data} was made for another target (hidden {data.index['hidden_size']}, vocab "
+                         f"{data.index['vocab_size']}); this one has {target.config.hidden_size} / {target.config.vocab_size}")
+    train_idx, val_idx = data.split(cfg.val_fraction, cfg.seed)
+    if not train_idx:
+        raise ValueError(f"{cfg.data} holds no training samples")
+    model = build_model(cfg, target, data)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    per_epoch = max(1, len(train_idx) // cfg.batch_size)
+    total = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * per_epoch)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio))
+    ck = out / "checkpoint"
+    step = 0
+    if (ck / "state.pt").exists():
+        step = load_state(ck, model, opt, sched)
+        if dist.main:
+            print(f"resuming from {ck} at step {step}/{total}", flush=True)
+    net = DDP(model) if dist.world > 1 else model
+    head, cap, d2t, t2d = _head(model, target)
+    reduce = dist.reduce if dist.world > 1 else None
+    bar = None
+    if cfg.progress and dist.main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, desc="eagle3", file=sys.stderr, dynamic_ncols=True)
+    log_path = out / "train_log.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    done_this_run = 0
+    t0 = time.time()
+    while step < total:
+        gb = global_batch(train_idx, cfg.batch_size, cfg.seed, step)
+        local = gb[dist.rank :: dist.world]
+        batch = collate([data.samples[j] for j in local])
+        if "aux" not in batch:
+            batch = online_states(target, batch, data.layers)
+        model.train()
+        with _autocast(cfg.bf16, target.device):
+            outs = net(batch["aux"], batch["ids"], batch["valid"], steps=cfg.ttt_steps)
+            loss, m = eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce)
+        (loss * dist.world).backward()  # DDP averages gradients over ranks; the loss is already global
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else None
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        done_this_run += 1
+        r = summarize(m, reduce)
+        if dist.main:
+            rec = {"step": step, "loss": round(float(loss.detach()) if reduce is None else
+                                              float(reduce(loss.detach().clone())), 5),
+                   "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm) if gnorm is not None else None,
+                   **{k: round(v, 4) for k, v in r.items() if k.startswith("acc_")}, "elapsed_s": round(time.time() - t0, 1)}
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}",
+                                acc="/".join(f"{r.get(f'acc_{s}', 0):.2f}" for s in range(cfg.ttt_steps)))
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
+            ev = evaluate(model, target, data, val_idx, cfg, dist=dist)
+            if dist.main and ev:
+                print(f"\nstep {step}: held-out acceptance per position {[round(x, 3) for x in ev['acceptance_conditional']]}"
+                      f", expected tau {ev['expected_tau']:.3f}", flush=True)
+        if step % cfg.save_every == 0 or step == total:
+            if dist.main:
+                save_state(ck, model, opt, sched, step, cfg)
+            dist.barrier()
+        if cfg.stop_after is not None and done_this_run >= cfg.stop_after and step < total:
+            if bar is not None:
+                bar.close()
+            return {"stopped_at": step}
+    if bar is not None:
+        bar.close()
+    ev = evaluate(model, target, data, val_idx, cfg, dist=dist)
+    if dist.main:
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.export_dtype]
+        model.save(out, dtype=dtype)
+        (out / "eval.json").write_text(json.dumps({"step": step, "held_out_samples": len(val_idx), **ev}, indent=2))
+        if ev:
+            print(f"held-out ({len(val_idx)} samples): acceptance per position (conditional) "
+                  f"{[round(x, 3) for x in ev['acceptance_conditional']]}, expected tau {ev['expected_tau']:.3f}",
+                  flush=True)
+        print(f"drafter written to {out} (serve: verispec generate --drafter {out})", flush=True)
+    dist.barrier()
+    return ev

