@@ -56,9 +56,10 @@ def _extra_commands():
     """Other subcommands live beside the code they drive; each module has `add_parser(subparsers)`,
     which registers its arguments and `set_defaults(run=...)`. Add one import line per command."""
     from .bench.cli import add_parser as bench
+    from .server.cli import add_parser as serve
     from .train.cli import parsers as train_data_export  # data, train, export
 
-    return [bench, *train_data_export()]
+    return [bench, serve, *train_data_export()]
 
 
 EXTRA_COMMANDS = _extra_commands()

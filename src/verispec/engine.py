@@ -28,6 +28,12 @@ from .verify import SamplingParams, accept_greedy, accept_sampled, probs, sample
 
 log = logging.getLogger(__name__)
 
+KV_BLOCK = 512  # PyTorch's CPU flash attention splits keys in blocks of 512: pad to whole blocks
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -41,7 +47,7 @@ class EngineConfig:
     device: str = "cpu"
     max_batch_size: int = 8
     max_model_len: int = 2048  # KV rows per sequence (prompt + output + draft)
-    exact: bool = False  # same numerics for every position: fixed-width verify window, static KV length
+    exact: bool = False  # batch-invariant numerics in fp32 too (one GEMV per row) and in prefill
     prefill_chunk: int = 256  # prompt tokens prefilled per engine step, over all requests
 
     def __post_init__(self):
@@ -96,12 +102,14 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, drafter: Drafter | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.drafter = drafter
-        # Decode/verify forwards use batch-invariant matmuls whenever that is free (bf16/fp16 on CPU:
-        # mv / W @ x.T is also the fastest kernel), so a token's bits do not depend on the window
-        # width or on which other requests share the batch; fp32 pays for it only in exact mode.
+        # Decode/verify forwards are batch-invariant whenever that is (nearly) free — bf16/fp16 on
+        # CPU: GEMM rows that do not depend on the row count, attention over a key length rounded
+        # up to the CPU kernel's 512-key block — so a token's bits do not depend on the verify
+        # window nor on which other requests share the batch. fp32 pays for it only in exact mode.
         self.decode_invariant = config.exact or model.dtype != torch.float32
         self.max_len = min(config.max_model_len, model.config.max_position_embeddings)
-        self.cache: KVCache = model.new_cache(config.max_batch_size, self.max_len + config.num_draft_tokens + 1)
+        rows = _round_up(self.max_len + config.num_draft_tokens + 1, KV_BLOCK)
+        self.cache: KVCache = model.new_cache(config.max_batch_size, rows)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # holding a KV slot, prompt partly in the cache
         self.running: list[Sequence] = []  # decoding
@@ -162,17 +170,16 @@ class Engine:
         return events
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
-        kcap = self.config.num_draft_tokens  # the KV slack and the exact-mode window are sized for it
+        kcap = self.config.num_draft_tokens  # the KV slack is sized for it
         ks = [max(0, min(s.num_draft_tokens, kcap, s.params.max_tokens - s.num_output - 1)) for s in seqs]
         drafts = self._propose(seqs, ks)
-        width = 1 + (kcap if self.config.exact else max(len(d.tokens) for d in drafts))
+        width = 1 + max(len(d.tokens) for d in drafts)
         ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
         starts = torch.tensor([self.cache.lengths[s.slot] for s in seqs])
         self.model.set_batch_invariant(self.decode_invariant)
-        out = self.model(
-            ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts, taps=self._taps,
-            kv_len=self.cache.max_len if self.config.exact else None,
-        )
+        kv_len = _round_up(int(starts.max()) + width, KV_BLOCK) if self.decode_invariant else None
+        out = self.model(ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts, taps=self._taps,
+                         kv_len=kv_len)
         logits = out.logits  # [B, width, V]
         greedy_next = logits.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else None
         events = []
@@ -223,7 +230,6 @@ class Engine:
             out = self.model(
                 torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
                 logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
-                kv_len=self.cache.max_len if self.config.exact else None,
             )
             self.cache.commit(seq.slot, len(chunk_ids))
             self._observe(seq, out, 0, done_rows, len(chunk_ids))

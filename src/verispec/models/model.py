@@ -33,7 +33,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     invariant=True takes a path whose result for a row does not depend on how many other rows are
     in the call nor where the row is (checked bit for bit in tests/test_exact_numerics.py): in
-    bf16 `mv` / `weight @ x.T` (no extra cost on this CPU), in fp32 one `mv` per row (MKL's fp32
+    bf16 `weight @ x.T`, a single row padded to two (no extra cost on this CPU: `mv` can round
+    differently from the GEMM kernel, so it is not used), in fp32 one `mv` per row (MKL's fp32
     GEMM is not row-invariant, so verifying k + 1 rows then costs k + 1 weight reads). `F.linear`
     switches kernels with the row count, so without it the same token can round differently in
     a verify window than in a one-token decode step.
@@ -42,12 +43,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not invariant and (x.device.type != "cpu" or x.dtype == torch.float32 or M > 16):
         return F.linear(x, weight, bias)
     x2 = x.reshape(M, x.shape[-1])
-    if M == 1:
-        y = torch.mv(weight, x2[0])[None]
-    elif invariant and x.dtype == torch.float32:  # MKL's fp32 GEMM is not row-invariant: one GEMV per row
+    if invariant and x.dtype == torch.float32:  # MKL's fp32 GEMM is not row-invariant: one GEMV per row
         y = torch.stack([torch.mv(weight, row) for row in x2])
-    else:
-        y = (weight @ x2.t()).t()
+    elif M == 1 and not invariant:
+        y = torch.mv(weight, x2[0])[None]
+    elif M == 1:  # one row goes through the same GEMM kernel as several (padded to two; same speed as mv)
+        y = (weight @ torch.cat([x2, torch.zeros_like(x2)]).t())[:, :1].t().contiguous()
+    else:  # dense rows: elementwise ops that follow vectorize a transposed view differently
+        y = (weight @ x2.t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -120,15 +123,22 @@ class Attention(nn.Module):
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # contiguous q: the CPU flash kernel rounds a strided q differently from a dense one, which
+        # would make a token's bits depend on the verify window width (T = 1 is always dense)
+        q, k = _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin)
         slots, rows = slot_rows  # [B, T] each
         k_cache[slots, :, rows] = k.transpose(1, 2)  # [B, T, kvh, hd]
         v_cache[slots, :, rows] = v
         K, V = kv_view(k_cache), kv_view(v_cache)  # [B, kvh, Lk, hd]
         if c.attn_logit_softcap is None:
+            pad = self.invariant and T == 1  # the CPU kernel has its own path for one query row
+            if pad:
+                q, mask = torch.cat([q, q], dim=2), torch.cat([mask, mask], dim=2)
             o = F.scaled_dot_product_attention(
                 q, K, V, attn_mask=mask, scale=c.attn_scale, enable_gqa=c.num_heads != c.num_kv_heads
             )
+            if pad:
+                o = o[:, :, :1]
         else:
             o = _softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
         return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)

@@ -1,0 +1,66 @@
+"""Prometheus metrics, named like vLLM's so existing dashboards read them
+(`verispec:spec_decode_num_drafts` <-> `vllm:spec_decode_num_drafts`, and so on).
+
+Speculation counters are added when a request ends (finished, stopped or aborted), from that
+request's own statistics, so they always equal the sum over the requests that were served."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
+
+P = "verispec:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        r = self.registry = CollectorRegistry()
+        lbl = {"model_name": model_name}
+        self._lbl = lbl
+        self.num_drafts = Counter(P + "spec_decode_num_drafts", "Verification steps that checked at least one draft token", ["model_name"], registry=r)
+        self.num_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens verified", ["model_name"], registry=r)
+        self.num_accepted = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted", ["model_name"], registry=r)
+        self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position", ["model_name", "position"], registry=r)
+        self.target_forwards = Counter(P + "spec_decode_num_target_forwards", "Target forwards after prefill (tau = generation tokens / this)", ["model_name"], registry=r)
+        self.drafter_errors = Counter(P + "spec_decode_drafter_errors", "Drafter failures (the request fell back to plain decoding)", ["model_name"], registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed", ["model_name"], registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", ["model_name"], registry=r)
+        self.requests = Counter(P + "request_success", "Finished requests by reason", ["model_name", "finished_reason"], registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests in the running batch", ["model_name"], registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a KV slot", ["model_name"], registry=r)
+        self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of KV slots in use", ["model_name"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**lbl)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Time per output token after the first", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**lbl)
+        self._drafter_errors_seen = 0
+
+    def observe_engine(self, eng) -> None:
+        self.running.labels(**self._lbl).set(eng.num_active)
+        self.waiting.labels(**self._lbl).set(len(eng.waiting))
+        self.kv_usage.labels(**self._lbl).set(1 - eng.cache.num_free / eng.cache.num_slots)
+        new_errors = eng.drafter_errors - self._drafter_errors_seen
+        if new_errors:
+            self.drafter_errors.labels(**self._lbl).inc(new_errors)
+            self._drafter_errors_seen = eng.drafter_errors
+
+    def request_finished(self, handle, reason: str) -> None:
+        lbl = self._lbl
+        seq = handle.seq
+        st = seq.stats
+        self.requests.labels(finished_reason=reason, **lbl).inc()
+        self.prompt_tokens.labels(**lbl).inc(len(seq.prompt_ids))
+        self.generation_tokens.labels(**lbl).inc(seq.num_output)
+        self.num_drafts.labels(**lbl).inc(st.drafts)
+        self.num_draft_tokens.labels(**lbl).inc(st.drafted)
+        self.num_accepted.labels(**lbl).inc(st.accepted)
+        self.target_forwards.labels(**lbl).inc(st.forwards)
+        for pos, n in enumerate(st.accepted_at):
+            self.accepted_per_pos.labels(position=str(pos), **lbl).inc(n)
+        if handle.first_token_at is not None and seq.num_output > 1:
+            self.tpot.observe((time.perf_counter() - handle.first_token_at) / (seq.num_output - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
