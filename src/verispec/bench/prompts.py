@@ -106,23 +106,32 @@ def _json_array_records(text: str):
 
 
 def load(datasets: list[str], limit: int | None = None, mtbench_turns: int = 1, sharegpt_n: int = 80,
-         seed: int = 0) -> list[Prompt]:
-    """The named prompt sets, in order; limit keeps the first `limit` questions of each set."""
+         seed: int = 0, spread: bool = False) -> list[Prompt]:
+    """The named prompt sets, in order. limit keeps `limit` questions of each set: the first ones, or
+    with spread=True evenly spaced ones (MT-Bench: every 80/limit-th question, so all 8 categories
+    are covered when limit >= 8). A question's second MT-Bench turn stays with its first."""
     out = []
     for name in datasets:
         if name == "mtbench":
             ps = load_mtbench(mtbench_turns)
-            if limit is not None:  # keep whole questions (both turns of each)
-                keep = {p.id.split("#")[0] for p in ps[: limit * mtbench_turns]}
-                ps = [p for p in ps if p.id.split("#")[0] in keep]
         elif name == "humaneval":
-            ps = load_humaneval()[:limit]
+            ps = load_humaneval()
         elif name == "sharegpt":
-            ps = load_sharegpt(sharegpt_n if limit is None else min(limit, sharegpt_n), seed)
+            ps = load_sharegpt(sharegpt_n, seed)  # a limited run uses part of the same sample
         else:
             raise PromptSetError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+        if limit is not None:
+            questions = list(dict.fromkeys(p.id.split("#")[0] for p in ps))
+            keep = set(_pick(questions, limit, spread))
+            ps = [p for p in ps if p.id.split("#")[0] in keep]
         out += ps
     return out
+
+
+def _pick(items: list, n: int, spread: bool) -> list:
+    if n >= len(items) or not spread:
+        return items[:n]
+    return [items[i * len(items) // n] for i in range(n)]
 
 
 # ---- prompts -> token ids -------------------------------------------------------------------

@@ -39,7 +39,7 @@ def environment() -> dict:
             "verispec", "torch", "transformers", "numpy", "matplotlib", "llama_cpp_python")}},
         "machine": {"platform": platform.platform(), "cpu": cpu, "logical_cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "memory_gib": round(mem, 1) if mem else None,
-                    "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+                    "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
                     "cuda": torch.cuda.is_available()},
     }
 
@@ -89,6 +89,15 @@ def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | Non
     if exact_cost:
         report["exact_cost"] = exact_cost
     report["sweep"] = [p.to_dict() for p in (sweep or [])]
+    single = {}  # batched greedy outputs vs the single-stream plain decoding of the same prompt (round 0)
+    for t in traces:
+        if t.round == 0:
+            single[(t.method, t.prompt)] = t.output_ids
+    for p in report["sweep"]:
+        tag = " [exact]" if p["method"].endswith(" [exact]") else ""
+        pairs = [(r["output_ids"], single.get((f"plain{tag}", r["prompt"]))) for r in p["per_request"]]
+        pairs = [(a, b) for a, b in pairs if b is not None]
+        p["identical_to_single_stream_plain"] = {"identical": sum(a == b for a, b in pairs), "total": len(pairs)}
     report["mismatches"] = {n: s["equality"]["mismatched_prompts"] for n, s in report["summary"].items()
                             if s.get("equality") and s["equality"]["identical"] < s["equality"]["total"]}
     report["traces"] = [t.to_dict() for t in traces]
@@ -111,6 +120,10 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _acc(s: dict) -> str:
+    return _f(s["acceptance_rate"], 3) if s.get("drafted") else "-"
+
+
 def _eq(s: dict) -> str:
     e = s.get("equality")
     return f"{e['identical']}/{e['total']}" if e else "-"
@@ -120,7 +133,7 @@ def main_table(summary: dict) -> str:
     rows = []
     for name, s in summary.items():
         rows.append([name, _s(s["tokens_per_s"], 1), _s(s.get("speedup")), _s(s.get("speedup_per_prompt")),
-                     _f(s["tau"]), _f(s.get("acceptance_rate"), 3), _f(s["tpot_ms"]["median"], 1),
+                     _f(s["tau"]), _acc(s), _f(s["tpot_ms"]["median"], 1),
                      _f(s["ttft_ms"]["median"], 1), _eq(s)])
     return table(["method", "tok/s median [min,max]", "speed-up (rounds)", "speed-up (per prompt)", "tau",
                   "accept rate", "TPOT ms", "TTFT ms", "identical to plain"], rows)
@@ -131,14 +144,27 @@ def group_table(groups: dict) -> str:
     for g, summ in groups.items():
         for name, s in summ.items():
             rows.append([g, name, str(s["prompts"]), _s(s["tokens_per_s"], 1), _s(s.get("speedup")), _f(s["tau"]),
-                         _f(s.get("acceptance_rate"), 3), _eq(s)])
+                         _acc(s), _eq(s)])
     return table(["set", "method", "prompts", "tok/s", "speed-up", "tau", "accept rate", "identical"], rows)
 
 
 def sweep_table(sweep: list[dict]) -> str:
+    def ident(p):
+        e = p.get("identical_to_single_stream_plain")
+        return f"{e['identical']}/{e['total']}" if e and e["total"] else "-"
+
     rows = [[p["method"], str(p["concurrency"]), str(p["requests"]), _f(p["throughput_tok_s"], 1),
-             _f(p["per_user_tok_s"]["median"], 1), _f(p["tpot_ms"]["median"], 1), _f(p["tau"])] for p in sweep]
-    return table(["method", "concurrency", "requests", "throughput tok/s", "per-user tok/s", "TPOT ms", "tau"], rows)
+             _f(p["per_user_tok_s"]["median"], 1), _f(p["tpot_ms"]["median"], 1), _f(p["tau"]), ident(p)]
+            for p in sweep]
+    return table(["method", "concurrency", "requests", "throughput tok/s", "per-user tok/s", "TPOT ms", "tau",
+                  "identical to single-stream plain"], rows)
+
+
+def acceptance_table(summary: dict) -> str:
+    rows = [[n, " ".join(f"{x:.2f}" for x in s["acceptance_conditional"]),
+             " ".join(f"{x:.2f}" for x in s["acceptance_unconditional"])]
+            for n, s in summary.items() if s.get("drafted")]
+    return table(["method", "conditional, k = 1, 2, ...", "unconditional, k = 1, 2, ..."], rows)
 
 
 def console(report: dict) -> str:
@@ -155,6 +181,9 @@ def console(report: dict) -> str:
     for n, ps in report["mismatches"].items():
         out.append(f"MISMATCH: {n} differs from its plain decoding on {len(ps)} prompt(s): {', '.join(ps[:8])}")
     out += [f"note: {n}" for n in report["notes"]]
+    out.append("legend: tau = tokens per target forward after prefill, bonus included; speed-up = paired tok/s "
+               "ratio vs the same engine's plain decoding (per round: ratio of totals); tok/s include prefill; "
+               "full definitions in report.md / report.json")
     return "\n".join(out)
 
 
@@ -178,6 +207,8 @@ def markdown(report: dict, plots: list[str]) -> str:
     if report["mismatches"]:
         md += ["**Output mismatches** (greedy output differs from the same engine's plain decoding):", ""]
         md += [f"- {n}: {', '.join(ps)}" for n, ps in report["mismatches"].items()] + [""]
+    if any(s.get("drafted") for s in report["summary"].values()):
+        md += ["## Per-position acceptance (all prompts)", "", acceptance_table(report["summary"]), ""]
     md += ["## Per dataset", "", group_table(report["by_dataset"]), ""]
     if report["by_category"]:
         md += ["## Per category", "", group_table(report["by_category"]), ""]

@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from ..drafters import make_drafter
 from ..engine import DTYPES, Engine, EngineConfig
 from ..sequence import SpecStats
@@ -56,17 +54,10 @@ def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None) -> 
     return Engine(target, tokenizer, cfg, drafter)
 
 
-def _activate(engine: Engine) -> None:
-    # Engines share one target; batch invariance (exact mode) is a flag on that model, set at Engine
-    # construction, so the engine about to run sets it again.
-    engine.model.set_batch_invariant(engine.config.exact)
-
-
 def engine_runner(engine: Engine, ignore_eos: bool = True) -> Callable[[list[int], int], Result]:
     """Single stream through the engine, stepped by hand so the first token's time is observed."""
 
     def run(ids: list[int], max_tokens: int) -> Result:
-        _activate(engine)
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         t0 = time.perf_counter()
         seq = engine.add_request(ids, sp)
@@ -85,14 +76,18 @@ def engine_runner(engine: Engine, ignore_eos: bool = True) -> Callable[[list[int
 
 
 def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int, dtype: str, modes: list[str],
-                     max_model_len: int, ignore_eos: bool = True, factories: dict | None = None) -> list[Method]:
-    """plain + every drafter, in every mode ("normal", "exact"); factories: name -> drafter factory (tests)."""
+                     max_model_len: int, ignore_eos: bool = True, factories: dict | None = None,
+                     exact_drafters: list[str] | None = None) -> list[Method]:
+    """plain + every drafter, in every mode ("normal", "exact"; exact mode only for `exact_drafters`
+    when given); factories: drafter spec -> drafter factory (tests)."""
     out = []
     for mode in modes:
         exact = mode == "exact"
         tag = " [exact]" if exact else ""
         plain = f"plain{tag}"
         for spec in [None, *drafters]:
+            if exact and spec is not None and exact_drafters is not None and spec not in exact_drafters:
+                continue
             cfg = engine_config(model, spec, k, dtype, exact, 1, max_model_len)
             factory = (factories or {}).get(spec)
             eng = build_engine(target, tokenizer, cfg, factory)
@@ -158,7 +153,6 @@ def sweep_requests(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
 
 def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True) -> tuple[float, list[dict], SpecStats]:
     """Add every request, step until all are done; per-request first-token and finish times."""
-    _activate(engine)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     seqs = [engine.add_request(p.ids, sp) for p in prompts]
