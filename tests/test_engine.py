@@ -1,0 +1,146 @@
+"""Continuous batching: requests join and leave at any step, long prompts are prefilled in chunks
+beside running decodes, a failing drafter degrades one request to plain decoding, aborts free
+their KV slot at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import build_hf, ours_from_hf, random_ids
+from verispec.drafters import Draft, ModelDrafter, NgramDrafter
+from verispec.engine import Engine, EngineConfig
+from verispec.verify import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return ours_from_hf(build_hf("qwen3"))
+
+
+def engine(target, drafter=None, **kw):
+    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4, dtype="float32",
+                       **{"max_batch_size": 4, "max_model_len": 128, **kw})
+    return Engine(target, None, cfg, drafter)
+
+
+def alone(target, prompt, sp):
+    eng = engine(target)
+    s = eng.add_request(prompt, sp)
+    while eng.has_work:
+        eng.step()
+    return s.output_ids
+
+
+def test_long_prompt_is_chunked_beside_running_decodes(target):
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    short = random_ids(5, 160, seed=1)[0].tolist()
+    long = random_ids(60, 160, seed=2)[0].tolist()
+    eng = engine(target, NgramDrafter(), prefill_chunk=8)
+    a = eng.add_request(short, sp)
+    eng.step()  # a is prefilled and decoding
+    b = eng.add_request(long, sp)
+    progress = []
+    while b.num_output == 0:
+        before = a.num_output
+        eng.step()
+        progress.append(a.num_output - before)
+    assert len(progress) >= 60 // 8  # b took several steps of prefill ...
+    assert all(p > 0 for p in progress[:-1] if not a.finished)  # ... and a kept decoding during them
+    while eng.has_work:
+        eng.step()
+    assert a.output_ids == alone(target, short, sp) and b.output_ids == alone(target, long, sp)
+
+
+class FlakyDrafter(NgramDrafter):
+    """Raises whenever the batch contains the request it is allergic to."""
+
+    def __init__(self, bad_id):
+        super().__init__()
+        self.bad_id = bad_id
+
+    def propose(self, seqs, ks):
+        if any(s.id == self.bad_id for s in seqs):
+            raise RuntimeError("drafter bug")
+        return super().propose(seqs, ks)
+
+
+def test_drafter_failure_falls_back_to_plain_for_that_request_only(target):
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [random_ids(6, 160, seed=i)[0].tolist() * 2 for i in range(3)]
+    eng = engine(target, FlakyDrafter(bad_id=1))
+    seqs = [eng.add_request(p, sp) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    assert [s.output_ids for s in seqs] == [alone(target, p, sp) for p in prompts]
+    assert eng.drafter_errors == 1
+    assert seqs[1].stats.drafts == 0 and seqs[1].num_draft_tokens == 0
+    assert seqs[0].stats.drafts > 0 and seqs[2].stats.drafts > 0
+
+
+def test_abort_frees_the_slot_and_admits_the_next(target):
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    eng = engine(target, ModelDrafter(target, 1, 128 + 5, num_layers=1), max_batch_size=1)
+    a = eng.add_request([5, 6, 7], sp)
+    b = eng.add_request([8, 9], sp)
+    eng.step()
+    assert eng.cache.num_free == 0 and b in eng.waiting
+    eng.abort(a)
+    assert a.finish_reason == "abort" and eng.cache.num_free == 1
+    eng.step()
+    assert b.slot >= 0 and b.num_output >= 1
+    while eng.has_work:
+        eng.step()
+    assert b.output_ids == alone(target, [8, 9], sp)
+
+
+def test_logprobs_are_the_targets(target):
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    prompt = [3, 4, 5, 6]
+    eng = engine(target, NgramDrafter())
+    s = eng.add_request(prompt, sp)
+    while eng.has_work:
+        eng.step()
+    ids = torch.tensor([prompt + s.output_ids])
+    with torch.inference_mode():
+        ref = target(ids, target.new_cache(1, 16), [0], torch.tensor([0])).logits[0].log_softmax(-1)
+    for i, (tok, lp, top) in enumerate(s.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert tok == s.output_ids[i] and lp == pytest.approx(float(row[tok]), abs=1e-4)
+        assert len(top) == 3 and max(top.values()) == pytest.approx(float(row.max()), abs=1e-4)
+
+
+def test_request_that_cannot_fit_is_refused_not_crashed(target):
+    eng = engine(target, max_model_len=32)
+    with pytest.raises(Exception, match="exceeds the context of 32 tokens"):
+        eng.add_request(list(range(3, 30)), SamplingParams(max_tokens=10))
+    assert not eng.has_work
+
+
+def test_short_draft_and_stop_tokens_inside_accepted_run(target):
+    """A stop token inside an accepted run ends the request there; nothing after it is kept."""
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompt = [7, 8, 9, 7, 8]
+    ref = alone(target, prompt, sp)
+    stop = ref[5]
+    eng = engine(target, ModelDrafter(target, 4, 128 + 5))  # self-drafting: whole runs accepted
+    s = eng.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(stop,)))
+    while eng.has_work:
+        eng.step()
+    assert s.output_ids == ref[: ref.index(stop) + 1] and s.finish_reason == "stop"
+
+
+def test_drafts_longer_than_asked_are_cut(target):
+    class Greedy(NgramDrafter):
+        def propose(self, seqs, ks):
+            return [Draft([3] * (k + 5)) for k in ks]
+
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    eng = engine(target, Greedy())
+    s = eng.add_request([4, 5, 6], sp)
+    while eng.has_work:
+        eng.step()
+    assert s.output_ids == alone(target, [4, 5, 6], sp)
+    assert len(s.stats.drafted_at) == 4  # cut to k = 4 draft positions
