@@ -144,3 +144,13 @@ def test_drafts_longer_than_asked_are_cut(target):
         eng.step()
     assert s.output_ids == alone(target, [4, 5, 6], sp)
     assert len(s.stats.drafted_at) == 4  # cut to k = 4 draft positions
+
+
+def test_kv_memory_budget_is_enforced_up_front(target):
+    from verispec.kv import CacheFullError
+
+    with pytest.raises(CacheFullError, match="over the budget of 1 MiB"):
+        engine(target, max_batch_size=64, kv_cache_mb=1)
+    eng = engine(target, max_batch_size=2, kv_cache_mb=64)  # fits
+    total = sum(t.numel() * t.element_size() for t in (*eng.cache.k, *eng.cache.v))
+    assert total <= 64 * 2**20

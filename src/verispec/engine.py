@@ -45,7 +45,8 @@ class EngineConfig:
     num_draft_tokens: int = 5
     dtype: str = "bfloat16"
     device: str = "cpu"
-    max_batch_size: int = 8
+    max_batch_size: int = 8  # KV slots: requests decoded at once (more wait in the queue)
+    kv_cache_mb: float | None = None  # if set, the target's KV memory budget; it must hold max_batch_size slots
     max_model_len: int = 2048  # KV rows per sequence (prompt + output + draft)
     exact: bool = False  # batch-invariant numerics in fp32 too (one GEMV per row) and in prefill
     prefill_chunk: int = 256  # prompt tokens prefilled per engine step, over all requests
@@ -109,6 +110,14 @@ class Engine:
         self.decode_invariant = config.exact or model.dtype != torch.float32
         self.max_len = min(config.max_model_len, model.config.max_position_embeddings)
         rows = _round_up(self.max_len + config.num_draft_tokens + 1, KV_BLOCK)
+        c = model.config
+        need_mb = config.max_batch_size * rows * KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
+                                                                          model.dtype) / 2**20
+        if config.kv_cache_mb is not None and need_mb > config.kv_cache_mb:
+            raise CacheFullError(
+                f"{config.max_batch_size} KV slots of {rows} tokens need {need_mb:.0f} MiB, over the budget of "
+                f"{config.kv_cache_mb:g} MiB (lower max_batch_size or max_model_len)"
+            )
         self.cache: KVCache = model.new_cache(config.max_batch_size, rows)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # holding a KV slot, prompt partly in the cache
