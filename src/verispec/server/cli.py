@@ -15,6 +15,7 @@ def add_parser(sub) -> None:
     s.add_argument("--device", default="cpu")
     s.add_argument("--max-batch-size", type=int, default=32, help="KV slots = requests decoded at once")
     s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--kv-cache-mb", type=float, default=None, help="KV memory budget; refuse to start if the slots need more")
     s.add_argument("--prefill-chunk", type=int, default=256)
     s.add_argument("--exact", action="store_true")
     s.add_argument("--host", default="127.0.0.1")
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         llm = LLM(args.model, drafter=None if args.drafter in ("none", "") else args.drafter,
                   num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, device=args.device,
-                  max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+                  max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
                   prefill_chunk=args.prefill_chunk, exact=args.exact)
     except (ModelLoadError, ValueError, CacheFullError) as e:
         raise UserError(str(e)) from e
