@@ -9,7 +9,10 @@
 #   lookup (k = 5), on the same converted model folder; llama.cpp when llama-cpp-python is installed.
 #   layerskip:12 matches the early-exit depth peers-cpu.md timed through transformers.
 #
-# Run it on a quiet machine: ~45-90 minutes on 2 cores. Results go to benchmarks/results/core-<UTC time>/
+# The results in BENCHMARKS.md: `OUT=benchmarks/results/core benchmarks/run_core.sh` (1 torch thread, so a
+# second job on the other core does not stall it; 2 rounds; about 40 minutes). MODES=normal,exact adds
+# exact mode (in bf16 decode is batch-invariant already; exact mode changes fp32 and prefill only).
+# On a quiet machine with THREADS=2 it is faster; Results go to benchmarks/results/core-<UTC time>/
 # (report.json with every number, report.md, PNG plots).
 #
 # Smoke test (2 prompts x 16 tokens x 1 round, about 2 minutes):
@@ -30,10 +33,10 @@ OUT="${OUT:-benchmarks/results/core-$(date -u +%Y%m%dT%H%M%SZ)}"
 "$VERISPEC" bench \
     --model "${MODEL:-gemma3-270m}" --dtype bfloat16 \
     --datasets mtbench,humaneval --limit "${LIMIT:-10}" \
-    --max-tokens "${MAX_TOKENS:-128}" --rounds "${ROUNDS:-3}" -k "${K:-5}" \
+    --max-tokens "${MAX_TOKENS:-128}" --rounds "${ROUNDS:-2}" -k "${K:-5}" \
     --drafters ngram,layerskip:12 \
-    --modes normal,exact --exact-drafters ngram \
+    --modes "${MODES:-normal}" --exact-drafters ngram \
     --peers hf,hf-pld,llama.cpp \
     --concurrency none \
-    --threads "${THREADS:-2}" \
+    --threads "${THREADS:-1}" \
     --report "$OUT" "$@"
