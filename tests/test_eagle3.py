@@ -130,9 +130,9 @@ def test_padding_does_not_change_real_rows(llama):
 # losslessness through the engine
 
 
-def _engine_run(target, drafter, prompts, sp, k=4, max_batch=3):
+def _engine_run(target, drafter, prompts, sp, k=4, max_batch=3, **kw):
     cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=k, dtype="float32", max_batch_size=max_batch,
-                       max_model_len=96)
+                       max_model_len=96, **kw)
     eng = Engine(target, None, cfg, drafter)
     seqs = [eng.add_request(p, sp) for p in prompts]
     while eng.has_work:
@@ -165,6 +165,32 @@ def test_greedy_lossless_self_distilled_drafter_accepts():
     out, seqs = _engine_run(target, Eagle3Drafter(m, target, 3, 96 + 5), prompts, sp)
     assert out == plain
     assert sum(s.stats.accepted for s in seqs) > 0
+
+
+def test_greedy_lossless_chunked_prefill_and_exact_mode(llama):
+    """Prompts longer than the prefill chunk: the drafter receives target states chunk by chunk."""
+    _, target = llama
+    prompts = [random_ids(n, 160, seed=n)[0].tolist() for n in (37, 20, 6)]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain, _ = _engine_run(target, None, prompts, sp)
+    m = random_eagle(target, draft_vocab=100)
+    for kw in ({"prefill_chunk": 8}, {"prefill_chunk": 16, "exact": True}):
+        out, seqs = _engine_run(target, Eagle3Drafter(m, target, 3, 101), prompts, sp, **kw)
+        assert out == plain
+        assert all(s.stats.drafted > 0 for s in seqs)
+
+
+def test_greedy_lossless_bf16_exact_mode():
+    """bf16 target and drafter (the serving dtype; decode-sized matmuls take models.model.linear)."""
+    hf = build_hf("gemma3")
+    target = ours_from_hf(hf).to(torch.bfloat16)
+    prompts = [random_ids(n, 160, seed=n)[0].tolist() for n in (9, 4)]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain, _ = _engine_run(target, None, prompts, sp, exact=True)
+    m = random_eagle(target, draft_vocab=100).to(torch.bfloat16)
+    m.set_embedding(target.model.embed_tokens.weight)
+    out, seqs = _engine_run(target, Eagle3Drafter(m, target, 3, 101), prompts, sp, exact=True)
+    assert out == plain and all(s.stats.drafted > 0 for s in seqs)
 
 
 def test_sampled_seeded_reproducible(llama):
@@ -207,7 +233,7 @@ def test_sampled_lossless_tv():
         hf.lm_head.weight.mul_(2.0)
     target = ours_from_hf(hf)
     m = random_eagle(target, draft_vocab=4, counts=torch.tensor([5.0, 5, 1, 5, 5]), aux_layers=[0, 1, 2])
-    n = 2000
+    n = 1200
     for sp in (tsl.PLAIN, tsl.PROCESSED):
         eng = tsl.new_engine(target, Eagle3Drafter(m, target, tsl.BATCH, tsl.MAX_LEN + tsl.K + 1))
         seqs = [eng.add_request(tsl.PROMPT, dataclasses.replace(sp, seed=1000 + i)) for i in range(n)]

@@ -16,6 +16,7 @@ def make_drafter(spec: str, target, max_batch: int, max_len: int, dtype: torch.d
     layerskip:N           the target's first N layers + final norm + LM head
     draft:PATH            an independent smaller model with the same tokenizer (folder or .gguf)
     eagle3:DIR | DIR      an EAGLE-3 head in the speculators format (config.json + model.safetensors)
+    mtp:DIR | DIR         a DeepSeek-style MTP head trained by `verispec train --method mtp`
     """
     kind, _, arg = spec.partition(":")
     from .eagle3 import CheckpointError, is_eagle3_dir, make_eagle3_drafter
@@ -24,6 +25,13 @@ def make_drafter(spec: str, target, max_batch: int, max_len: int, dtype: torch.d
         path = arg if kind == "eagle3" else spec
         try:
             return make_eagle3_drafter(path, target, max_batch, max_len, dtype, device)
+        except CheckpointError as e:
+            raise ValueError(str(e)) from e
+    from .mtp import is_mtp_dir, make_mtp_drafter
+
+    if kind == "mtp" or is_mtp_dir(spec):  # mtp:DIR, or a verispec MTP-head folder
+        try:
+            return make_mtp_drafter(arg if kind == "mtp" else spec, target, max_batch, max_len, dtype, device)
         except CheckpointError as e:
             raise ValueError(str(e)) from e
     if kind == "ngram":
@@ -42,7 +50,7 @@ def make_drafter(spec: str, target, max_batch: int, max_len: int, dtype: torch.d
                 f"({target.config.vocab_size}); a draft model must share the target's tokenizer"
             )
         return ModelDrafter(model, max_batch, max_len, name=f"draft:{arg}")
-    raise ValueError(f"unknown drafter {spec!r}; use ngram[:N], layerskip:N, draft:PATH or eagle3:DIR")
+    raise ValueError(f"unknown drafter {spec!r}; use ngram[:N], layerskip:N, draft:PATH, eagle3:DIR or mtp:DIR")
 
 
 __all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "make_drafter"]

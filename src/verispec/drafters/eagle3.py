@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.model import linear
 from ..sequence import Sequence
 from ..verify import probs, sample
 from .base import Draft, Drafter
@@ -138,10 +139,9 @@ class Eagle3Config:
             sc = d.get("speculators_config") or {}
             ver = sc.get("verifier") or {}
             props = sc.get("proposal_methods") or [{}]
-            if tl.get("model_type", "llama") not in ("llama", "qwen3"):
-                raise CheckpointError(f"{where}: draft layer type {tl.get('model_type')!r} is not supported (llama, qwen3)")
-            if tl.get("model_type") == "qwen3":
-                raise CheckpointError(f"{where}: qwen3-type draft layers (q/k norms) are not supported yet; use llama")
+            if tl.get("model_type", "llama") != "llama":  # speculators also writes qwen3 layers (q/k norms)
+                raise CheckpointError(f"{where}: draft layer type {tl.get('model_type')!r} is not supported yet "
+                                      "(llama only)")
             H = tl["hidden_size"]
             nh = tl.get("num_attention_heads", 32)
             rp = tl.get("rope_parameters") or {}
@@ -174,7 +174,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
     collide, three (or fewer) distinct layers spread evenly (speculators refuses duplicates)."""
     L = num_layers
     ids = [2, L // 2, L - 3]
-    if len(set(ids)) == 3 and min(ids) >= 0:
+    if len(set(ids)) == 3 and min(ids) >= 0 and ids == sorted(ids):
         return ids
     return sorted({round(i * (L - 1) / 2) for i in range(3)})
 
@@ -233,14 +233,21 @@ class _Attention(nn.Module):
         returns what these queries attend to ([B, kvh, Lk, hd] x2 and a bool mask [B, 1, T, Lk])."""
         B, T, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = _lin(self.q_proj, x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = _lin(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = _lin(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         K, V, mask = kv(k, v)
         o = F.scaled_dot_product_attention(q, K.to(q.dtype), V.to(q.dtype), attn_mask=mask,
                                            enable_gqa=c.num_heads != c.num_kv_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return _lin(self.o_proj, o.transpose(1, 2).reshape(B, T, -1))
+
+
+def _lin(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """m(x), with the faster CPU kernels of models.model.linear for decode-sized bf16 inputs."""
+    if x.dtype != m.weight.dtype:  # autocast training: let F.linear cast
+        return m(x)
+    return linear(x, m.weight, m.bias)
 
 
 def _rotate(x, cos, sin):
@@ -256,7 +263,7 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _lin(self.down_proj, F.silu(_lin(self.gate_proj, x)) * _lin(self.up_proj, x))
 
 
 class _Layer(nn.Module):
@@ -351,7 +358,7 @@ class Eagle3Model(nn.Module):
             aux = self.input_norm(aux)
         if self.config.fc_norm:
             aux = torch.cat([nrm(a) for nrm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
-        return self.fc(aux)
+        return _lin(self.fc, aux)
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         f = positions.float()[..., None] * self._inv_freq.to(positions.device)
@@ -369,8 +376,8 @@ class Eagle3Model(nn.Module):
             x = layer(x, cos, sin, kv)
         if self.config.norm_output:
             x = self.norm(x)
-            return x, self.lm_head(x).float()
-        return x, self.lm_head(self.norm(x)).float()
+            return x, _lin(self.lm_head, x).float()
+        return x, _lin(self.lm_head, self.norm(x)).float()
 
     # ---- training: training-time test unrolling ---------------------------------------------------
     def forward(self, aux: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
@@ -536,8 +543,9 @@ class Eagle3Drafter(Drafter):
     def _kv(self, l, slots, starts, T):
         cache = self.cache
         dev = self.device
-        B = len(slots)
-        rows = starts[:, None] + torch.arange(T, device=dev)  # [B, T]
+        # padding rows of a catch-up batch may run past the slot: clamp them onto the last row, which
+        # holds no committed row of this sequence and is rewritten before any query can see it
+        rows = (starts[:, None] + torch.arange(T, device=dev)).clamp(max=self.max_len - 1)  # [B, T]
         Lk = int(rows.max()) + 1
         sl = torch.tensor(slots, device=dev)
         j = torch.arange(Lk, device=dev)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a drafter (EAGLE-3) on `verispec data` output; resumes after a kill")
-    p.add_argument("--method", default="eagle3", choices=["eagle3"])
+    p = sub.add_parser("train", help="train a drafter (EAGLE-3 or MTP) on `verispec data` output; resumes after a kill")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "mtp"],
+                   help="eagle3 (speculators format, vLLM-servable) or mtp (DeepSeek-style MTP head, verispec format)")
     p.add_argument("--data", required=True, help="folder written by `verispec data`")
     p.add_argument("--out", required=True, help="output folder: the speculators checkpoint + checkpoint/ for resuming")
     p.add_argument("--model", default=None, help="the target (default: the one recorded in the data)")
@@ -56,7 +57,7 @@ def cmd_train(args) -> int:
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     cfg = TrainConfig(
-        data=args.data, out=args.out, model=args.model, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
+        data=args.data, out=args.out, model=args.model, method=args.method, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         step_loss_decay=args.step_loss_decay, loss=args.loss, lr=args.lr, weight_decay=args.weight_decay,
         warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, batch_size=args.batch_size, epochs=args.epochs,
         steps=args.steps, max_len=args.max_len, val_fraction=args.val_fraction, seed=args.seed,
@@ -98,7 +99,8 @@ def cmd_export(args) -> int:
     k = args.num_speculative_tokens or m.config.speculative_tokens
     print(vllm_command(args.vllm, k))
     spec = {"method": "eagle3", "model": args.vllm, "num_speculative_tokens": k}
-    print(f"# --speculative-config for an already-running target: '{json.dumps(spec)}'")
+    print(f"# the same as JSON for --speculative-config (vllm serve <target> or LLM(speculative_config=...)): "
+          f"'{json.dumps(spec)}'")
     print(f"# or: vllm serve {args.vllm}   (vLLM reads the verifier from speculators_config)")
     return 0
 

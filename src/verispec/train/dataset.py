@@ -50,14 +50,16 @@ class HiddenStateData:
         self.token_counts = load_file(str(freq))["counts"] if freq.exists() else None
 
     def split(self, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
-        """(train indices, held-out indices): a seeded permutation, the first val_fraction held out."""
-        n = len(self.samples)
-        order = list(range(n))
-        random.Random(seed).shuffle(order)
-        n_val = int(round(n * val_fraction)) if val_fraction > 0 else 0
-        if val_fraction > 0 and n > 1:
-            n_val = max(1, min(n_val, n - 1))
-        return sorted(order[n_val:]), sorted(order[:n_val])
+        """(train indices, held-out indices). Sample j is held out when a seeded hash of j falls below
+        val_fraction, so extending a data set (more prompts, appended shards) never moves a sample
+        between the two sides."""
+        train, val = [], []
+        for j in range(len(self.samples)):
+            h = ((j + 1) * 2654435761 + seed * 40503) % 2**32 / 2**32
+            (val if h < val_fraction else train).append(j)
+        if val_fraction > 0 and not val and len(train) > 1:
+            val.append(train.pop())
+        return train, val
 
 
 def epoch_order(indices: list[int], seed: int, epoch: int) -> list[int]:
