@@ -100,7 +100,8 @@ def test_completion_stream_equals_non_stream_and_speculation_off(client):
     assert max(len(on.model_extra["verispec"]["acceptance_per_position_unconditional"]), 0) <= 3
 
 
-def test_stop_strings_inside_accepted_runs(client):
+def test_stop_strings_inside_accepted_runs(client, server):
+    before = metrics(server)
     full = client.completions.create(model=MODEL, prompt=CODE, max_tokens=48, temperature=0).choices[0].text
     for stop in ("return", "n ==", "\n    "):
         i = full.find(stop)
@@ -110,6 +111,13 @@ def test_stop_strings_inside_accepted_runs(client):
         streamed = [c.choices[0].text for c in client.completions.create(
             model=MODEL, prompt=CODE, max_tokens=48, temperature=0, stop=stop, stream=True) if c.choices]
         assert "".join(streamed) == full[:i]
+    # a stop string ends the request as "stop", not as an abort (recorded by the engine thread, so poll)
+    stopped = lambda: metric(metrics(server), "request_success_total", finished_reason="stop") - \
+        metric(before, "request_success_total", finished_reason="stop")  # noqa: E731
+    deadline = time.time() + 20
+    while stopped() < 6 and time.time() < deadline:
+        time.sleep(0.2)
+    assert stopped() == 6
 
 
 def test_seeds_n_and_logprobs(client):

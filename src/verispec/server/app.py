@@ -108,7 +108,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             n_before = len(stream.ids)
             delta = stream.push(tokens, final=finish is not None)
             if stream.stopped:
-                worker.abort(h)
+                worker.abort(h, "stop")
                 used = max(0, stream.tokens_used - n_before)
                 yield delta, tokens[:used], "stop"
                 return

@@ -48,15 +48,16 @@ class EngineWorker:
     def stop(self) -> None:
         """End every running stream (finish_reason "abort") and stop the thread."""
         self._stop.set()
-        self.inbox.put(("wake", None))
+        self.inbox.put(("wake", None, None))
         self.thread.join(timeout=30)
 
     def submit(self, handle: Handle) -> None:
-        self.inbox.put(("add", handle))
+        self.inbox.put(("add", handle, None))
 
-    def abort(self, handle: Handle) -> None:
+    def abort(self, handle: Handle, reason: str = "abort") -> None:
+        """End a request early: "abort" (client gone) or "stop" (a stop string was found)."""
         if not handle.done:
-            self.inbox.put(("abort", handle))
+            self.inbox.put(("abort", handle, reason))
 
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -96,7 +97,7 @@ class EngineWorker:
     def _drain(self, block: bool) -> None:
         while True:
             try:
-                kind, h = self.inbox.get(block=block, timeout=0.5 if block else None)
+                kind, h, reason = self.inbox.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 return
             block = False
@@ -109,7 +110,7 @@ class EngineWorker:
                     h.done = True
             elif kind == "abort" and h.seq is not None and not h.done:
                 self.engine.abort(h.seq)
-                self._finish(h, "abort")
+                self._finish(h, reason)
 
     def _send(self, h: Handle, tokens: list[int], finish: str | None) -> None:
         h.loop.call_soon_threadsafe(h.events.put_nowait, (tokens, finish))
