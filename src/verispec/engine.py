@@ -21,18 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters import Draft, Drafter, make_drafter
-from .kv import CacheFullError, KVCache
+from .kv import KV_BLOCK, CacheFullError, KVCache, round_up
 from .models import DEFAULT_MODEL, CausalLM, load_model, load_tokenizer
 from .sequence import Sequence, SpecStats
 from .verify import SamplingParams, accept_greedy, accept_sampled, probs, sample
 
 log = logging.getLogger(__name__)
 
-KV_BLOCK = 512  # PyTorch's CPU flash attention splits keys in blocks of 512: pad to whole blocks
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -109,7 +104,7 @@ class Engine:
         # window nor on which other requests share the batch. fp32 pays for it only in exact mode.
         self.decode_invariant = config.exact or model.dtype != torch.float32
         self.max_len = min(config.max_model_len, model.config.max_position_embeddings)
-        rows = _round_up(self.max_len + config.num_draft_tokens + 1, KV_BLOCK)
+        rows = round_up(self.max_len + config.num_draft_tokens + 1, KV_BLOCK)
         c = model.config
         need_mb = config.max_batch_size * rows * KVCache.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim,
                                                                           model.dtype) / 2**20
@@ -186,7 +181,7 @@ class Engine:
         ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
         starts = torch.tensor([self.cache.lengths[s.slot] for s in seqs])
         self.model.set_batch_invariant(self.decode_invariant)
-        kv_len = _round_up(int(starts.max()) + width, KV_BLOCK) if self.decode_invariant else None
+        kv_len = round_up(int(starts.max()) + width, KV_BLOCK) if self.decode_invariant else None
         out = self.model(ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts, taps=self._taps,
                          kv_len=kv_len)
         logits = out.logits  # [B, width, V]
@@ -233,6 +228,8 @@ class Engine:
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
+            if seq not in self.prefilling:  # a twin of a prompt finished earlier in this loop
+                continue
             done_rows = self.cache.lengths[seq.slot]
             chunk_ids = seq.prompt_ids[done_rows : done_rows + budget]
             last = done_rows + len(chunk_ids) == len(seq.prompt_ids)
@@ -244,13 +241,24 @@ class Engine:
             self._observe(seq, out, 0, done_rows, len(chunk_ids))
             budget -= len(chunk_ids)
             if last:
-                self.prefilling.remove(seq)
-                self.running.append(seq)
-                logits = out.logits[0]  # [1, V]
-                p = seq.params
-                first = int(logits[0].argmax()) if p.greedy else sample(probs(logits, p)[0], seq.generator)
-                events.append(self._emit(seq, [first], logits))
+                # requests with the same prompt, admitted but not started, take a copy of its rows
+                # (a one-chunk prefill's bits): parallel sampling prefills a prompt once
+                twins = [t for t in self.prefilling if t is not seq and done_rows == 0 and not self.cache.lengths[t.slot]
+                         and t.prompt_ids == seq.prompt_ids]
+                for s in [seq, *twins]:
+                    if s is not seq:
+                        self.cache.share_prefix(seq.slot, s.slot, len(chunk_ids))
+                        self._observe(s, out, 0, 0, len(chunk_ids))
+                    events.append(self._first_token(s, out.logits[0]))
         return events
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> StepEvent:
+        """The prompt is in the cache: sample token 1 from the last prompt row's logits [1, V]."""
+        self.prefilling.remove(seq)
+        self.running.append(seq)
+        p = seq.params
+        first = int(logits[0].argmax()) if p.greedy else sample(probs(logits, p)[0], seq.generator)
+        return self._emit(seq, [first], logits)
 
     @property
     def _taps(self) -> tuple[int, ...]:

@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import torch
 
+KV_BLOCK = 512  # PyTorch's CPU flash attention splits keys in blocks of 512: batch-invariant forwards pad to whole blocks
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
 
 class CacheFullError(RuntimeError):
     """A request needs more KV rows than the cache can hold."""
@@ -61,6 +67,16 @@ class KVCache:
     def commit(self, slot: int, n: int) -> None:
         """The next n rows written past the length now belong to the sequence."""
         self.lengths[slot] += n
+
+    def share_prefix(self, src: int, dst: int, n: int) -> None:
+        """Slot `dst` (empty) takes a copy of the first n rows of slot `src`: a prompt prefilled once
+        serves every request with the same prompt (parallel sampling)."""
+        if n > self.lengths[src] or self.lengths[dst]:
+            raise ValueError(f"cannot share {n} rows of slot {src} (length {self.lengths[src]}) with slot {dst} "
+                             f"(length {self.lengths[dst]})")
+        for t in (*self.k, *self.v):
+            t[dst, :, :n] = t[src, :, :n]
+        self.lengths[dst] = n
 
     def rollback(self, slot: int, length: int) -> None:
         """Forget every row from `length` on (O(1): the rows are overwritten later)."""

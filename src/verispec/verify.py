@@ -65,18 +65,39 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     p = logits.softmax(-1)
     if sp.top_p < 1.0:
-        sorted_p, order = p.sort(-1, descending=True)
-        # drop a token when the tokens strictly more likely already cover top_p
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= sp.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        p = p.masked_fill(drop, 0.0)
-        p = p / p.sum(-1, keepdim=True)
+        p = _top_p(p, sp.top_p)
     return p
 
 
+def _top_p(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Drop a token when the tokens ranked before it already cover top_p; renormalize.
+
+    Sorting a 262k vocabulary per row costs more than a small model's forward, so the ranking is
+    taken over the few most likely tokens when they provably hold every kept one (the running
+    total before the last candidate reaches top_p); the full sort is the fallback."""
+    V = p.shape[-1]
+    m = min(V, 64)
+    while True:
+        sorted_p, order = p.topk(m, dim=-1)  # [N, m], descending
+        before = sorted_p.cumsum(-1) - sorted_p
+        if m == V or bool((before[:, -1] >= top_p).all()):
+            break
+        m = min(V, m * 16)
+    drop_sorted = before >= top_p
+    keep = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, ~drop_sorted)
+    p = p.masked_fill(~keep, 0.0)
+    return p / p.sum(-1, keepdim=True)
+
+
 def sample(p: torch.Tensor, gen: torch.Generator) -> int:
-    """One token from probabilities p [V], drawn with the request's generator."""
-    return int(torch.multinomial(p, 1, generator=gen))
+    """One token from probabilities p [V] (need not sum to 1), drawn with the request's generator:
+    the inverse of the running total at one uniform draw (a multinomial over a 262k vocabulary
+    costs more than a small model's forward). Only tokens with p > 0 can be drawn: the total
+    rises only at them."""
+    c = p.double().cumsum(0)
+    u = torch.rand((), generator=gen, dtype=torch.float64, device=p.device) * c[-1]
+    i = int(torch.searchsorted(c, u, right=True))
+    return i if i < p.shape[0] else int(p.nonzero()[-1])  # u * total rounded up to the total
 
 
 @dataclass
