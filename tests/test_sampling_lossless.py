@@ -35,6 +35,7 @@ import torch
 
 import verispec.engine as engine_mod
 from conftest import build_hf, ours_from_hf
+from verispec.distcheck import NullTV, exact_distribution, null_counts, tv
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.engine import Engine, EngineConfig
 from verispec.sequence import SpecStats
@@ -120,10 +121,6 @@ def _assert_filters_not_borderline(logits: torch.Tensor, sp: SamplingParams) -> 
         assert (before - sp.top_p).abs().min() > 1e-4
 
 
-def tv(counts: torch.Tensor, exact: torch.Tensor) -> float:
-    return 0.5 * (counts / counts.sum() - exact).abs().sum().item()
-
-
 def marginals(dist: torch.Tensor) -> list[torch.Tensor]:
     """Per-position marginals of a flattened V^M distribution (or [R, V^M] batch of counts)."""
     d = dist.reshape(*dist.shape[:-1], *([V] * M))
@@ -143,15 +140,11 @@ def null_thresholds(exact: torch.Tensor, n: int) -> dict:
     key = (exact.data_ptr(), n)
     if key in _NULL:
         return _NULL[key]
-    g = torch.Generator().manual_seed(12345)
-    draws = torch.multinomial(exact, n * NULL_REPS, replacement=True, generator=g).view(NULL_REPS, n)
-    counts = torch.zeros(NULL_REPS, exact.numel(), dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(NULL_REPS, n, dtype=torch.float64)
-    )
+    counts = null_counts(exact, n, NULL_REPS, seed=12345)
 
     def summary(c, e):
-        t = 0.5 * (c / n - e).abs().sum(-1)
-        return (t.max().item() + 2 * t.std().item(), t.mean().item(), t.max().item())
+        nul = NullTV.of(tv(c, e))
+        return (nul.threshold, nul.mean, nul.max)
 
     out = {
         "joint": summary(counts, exact),
@@ -159,6 +152,21 @@ def null_thresholds(exact: torch.Tensor, n: int) -> dict:
     }
     _NULL[key] = out
     return out
+
+
+def test_enumeration_matches_the_reference_joint(models):
+    """distcheck.exact_distribution (our forward, enumerating only the support) equals the joint
+    computed here from transformers' forward over every V^M outcome."""
+    hf, target, _ = models
+    for sp in SETTINGS.values():
+        ref = exact_joint(hf, sp)
+        ours = exact_distribution(target, PROMPT, sp, M)
+        assert ours.borderline is None
+        got = torch.zeros_like(ref)
+        for o, pr in zip(ours.outcomes, ours.probs):
+            got[sum(x * V ** (M - 1 - j) for j, x in enumerate(o))] = pr
+        assert len(ours.outcomes) == int((ref > 0).sum())
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,8 +221,8 @@ def check(models, kind: str, setting: str, seed0: int):
     counts, stats = sample_outputs(models, kind, sp, N, seed0)
     seconds = time.perf_counter() - t0
     nul = null_thresholds(exact, N)
-    joint = (tv(counts, exact), nul["joint"])
-    marg = [(tv(c, e), th) for c, e, th in zip(marginals(counts), marginals(exact), nul["marginal"])]
+    joint = (tv(counts, exact).item(), nul["joint"])
+    marg = [(tv(c, e).item(), th) for c, e, th in zip(marginals(counts), marginals(exact), nul["marginal"])]
     print(f"\n[{kind}/{setting}] N={N} {seconds:.1f}s  TV={joint[0]:.4f} threshold={joint[1][0]:.4f} "
           f"(null mean {joint[1][1]:.4f}, max {joint[1][2]:.4f}); marginal TVs "
           + ", ".join(f"{t:.4f}<{th[0]:.4f}" for t, th in marg)

@@ -37,7 +37,7 @@ class ExactDistribution:
 
 @torch.inference_mode()
 def exact_distribution(target, prompt_ids: list[int], sp: SamplingParams, num_tokens: int, exact: bool = False,
-                       max_outcomes: int = 4096, logit_margin: float = 0.05, p_margin: float = 0.005,
+                       max_outcomes: int = 4096, logit_margin: float = 1e-3, p_margin: float = 1e-4,
                        batch: int = 64) -> ExactDistribution:
     """The exact distribution of the first `num_tokens` tokens the engine's plain decoding of
     `target` samples after `prompt_ids`, computed with the engine's own numerics.

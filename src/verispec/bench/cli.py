@@ -60,11 +60,16 @@ def add_parser(sub) -> None:
                    help=f"load sweep levels (default {DEFAULT_CONCURRENCY}); 'none' to skip")
     b.add_argument("--sweep-drafters", type=_list, default=None,
                    help="drafters in the load sweep (default: plain + --drafters)")
+    b.add_argument("--sample-check", type=int, default=2, metavar="PROMPTS",
+                   help="sampled-output distribution check on this many prompts per method: exact distribution of "
+                        "3 tokens at T=0.8, top-k 5, top-p 0.95 vs --sample-n seeded requests (default 2; 0: off)")
+    b.add_argument("--sample-n", type=int, default=1000, help="requests per sampled check (default 1000)")
     b.add_argument("--max-model-len", type=int, default=None, help="KV rows per sequence (default: longest prompt "
                                                                     "+ max tokens + 8)")
     b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     b.add_argument("--report", default=None, help="directory for report.json, report.md and the PNG plots")
-    b.add_argument("--strict", action="store_true", help="exit 1 if any verispec greedy output differs from plain")
+    b.add_argument("--strict", action="store_true",
+                   help="exit 1 if any verispec greedy output differs from plain or a sampled check fails")
     b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     b.set_defaults(run=cmd_bench)
 
@@ -79,7 +84,8 @@ def _check(args) -> None:
         raise UserError(f"unknown dataset(s) {bad}; choose from {', '.join(DATASETS)}")
     for name, v, lo in (("--max-tokens", args.max_tokens, 1), ("--rounds", args.rounds, 1),
                         ("--num-draft-tokens", args.num_draft_tokens, 1), ("--limit", 1 if args.limit is None else args.limit, 1),
-                        ("--sharegpt-n", args.sharegpt_n, 1)):
+                        ("--sharegpt-n", args.sharegpt_n, 1), ("--sample-check", args.sample_check, 0),
+                        ("--sample-n", args.sample_n, 10)):
         if v < lo:
             raise UserError(f"{name} must be >= {lo}, got {v}")
     if not args.modes or any(m not in ("normal", "exact") for m in args.modes):
@@ -143,6 +149,12 @@ def cmd_bench(args) -> int:
 
     log(f"{len(methods)} methods x {len(prompts)} prompts x {args.rounds} rounds")
     traces = run_interleaved(methods, prompts, args.max_tokens, args.rounds, progress=log)
+    sampled = None
+    if args.sample_check:
+        from .sampled import run_sampled_check
+
+        sampled = run_sampled_check(target, tok, args.model, args.drafters, args.num_draft_tokens, args.dtype, prompts,
+                                    args.sample_check, args.sample_n, max_len, progress=log)
     sweep = []
     if args.concurrency:
         sweep_drafters = [None, *(args.sweep_drafters if args.sweep_drafters is not None else args.drafters)]
@@ -157,9 +169,10 @@ def cmd_bench(args) -> int:
         "num_draft_tokens": args.num_draft_tokens, "modes": args.modes,
         "exact_drafters": args.exact_drafters, "rounds": args.rounds, "peers": args.peers,
         "concurrency": args.concurrency, "max_model_len": max_len, "threads": torch.get_num_threads(),
-        "greedy": True, "load_average_at_start": load_at_start,
+        "greedy": True, "load_average_at_start": load_at_start, "sample_check": args.sample_check,
+        "sample_n": args.sample_n,
     }
-    report = R.build(traces, methods, prompts, config, sweep, notes)
+    report = R.build(traces, methods, prompts, config, sweep, notes, sampled=sampled)
     print(R.console(report))
     if args.report:
         files = R.write(report, args.report)
@@ -167,6 +180,8 @@ def cmd_bench(args) -> int:
     if args.strict:
         fam = {m.name: m.family for m in methods}
         if any(fam.get(n) == "verispec" for n in report["mismatches"]):
+            return 1
+        if sampled and not all(c["passed"] for c in sampled["checks"]):
             return 1
     return 0
 

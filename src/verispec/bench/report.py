@@ -45,7 +45,7 @@ def environment() -> dict:
 
 
 def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | None = None,
-          notes: list[str] | None = None, env: dict | None = None) -> dict:
+          notes: list[str] | None = None, env: dict | None = None, sampled: dict | None = None) -> dict:
     by_method = defaultdict(list)
     for t in traces:
         by_method[t.method].append(t)
@@ -88,7 +88,8 @@ def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | Non
             exact_cost[normal] = {"speed_ratio_exact_over_normal": s["speedup"], "outputs_equal_normal": s["equality"]}
     if exact_cost:
         report["exact_cost"] = exact_cost
-    report["sweep"] = [p.to_dict() for p in (sweep or [])]
+    report["sampled_check"] = sampled
+    report["sweep"] = [p if isinstance(p, dict) else p.to_dict() for p in (sweep or [])]
     single = {}  # batched greedy outputs vs the single-stream plain decoding of the same prompt (round 0)
     for t in traces:
         if t.round == 0:
@@ -178,6 +179,12 @@ def console(report: dict) -> str:
         out += ["", exact_table(report["exact_cost"])]
     if report["sweep"]:
         out += ["", sweep_table(report["sweep"])]
+    if report.get("sampled_check"):
+        out += ["", sampled_title(report["sampled_check"]), sampled_table(report["sampled_check"])]
+    for c in (report.get("sampled_check") or {}).get("checks", []):
+        if not c["passed"]:
+            out.append(f"SAMPLED CHECK FAILED: {c['method']} on {c['prompt']} (TV {c['tv']:.3f} > {c['threshold']:.3f} "
+                       f"or {c['outside_support']} samples outside the support)")
     for n, ps in report["mismatches"].items():
         out.append(f"MISMATCH: {n} differs from its plain decoding on {len(ps)} prompt(s): {', '.join(ps[:8])}")
     out += [f"note: {n}" for n in report["notes"]]
@@ -185,6 +192,22 @@ def console(report: dict) -> str:
                "ratio vs the same engine's plain decoding (per round: ratio of totals); tok/s include prefill; "
                "full definitions in report.md / report.json")
     return "\n".join(out)
+
+
+def sampled_title(sc: dict) -> str:
+    st = sc["settings"]
+    return (f"Sampled output vs the exact target distribution of the first {st['max_tokens']} tokens "
+            f"(T = {st['temperature']}, top-k {st['top_k']}, top-p {st['top_p']}; {sc['samples_per_check']} seeded "
+            f"requests per check; pass: TV <= max null TV + 2 sd and no sample outside the support)")
+
+
+def sampled_table(sc: dict) -> str:
+    rows = [[c["method"], c["prompt"], str(c["outcomes"]), _f(c["tv"], 3), _f(c["null_tv_mean"], 3),
+             _f(c["threshold"], 3), str(c["outside_support"]), _f(c["acceptance_rate"], 2),
+             "pass" if c["passed"] else "**FAIL**"] for c in sc["checks"]]
+    rows += [["-", s["prompt"], "-", "-", "-", "-", "-", "-", f"skipped: {s['reason']}"] for s in sc["skipped"]]
+    return table(["method", "prompt", "outcomes", "TV", "null TV mean", "threshold", "outside support",
+                  "accept rate", "result"], rows)
 
 
 def exact_table(cost: dict) -> str:
@@ -217,6 +240,9 @@ def markdown(report: dict, plots: list[str]) -> str:
                table(["method", "tok/s ratio"], [[n, _s(s)] for n, s in report["vs_verispec_plain"].items()]), ""]
     if report.get("exact_cost"):
         md += ["## Cost of exact mode", "", exact_table(report["exact_cost"]), ""]
+    if report.get("sampled_check"):
+        md += ["## Sampled output: distribution check", "", sampled_title(report["sampled_check"]) + ".", "",
+               sampled_table(report["sampled_check"]), ""]
     if report["sweep"]:
         md += ["## Load sweep (in-process engine, max_batch_size = concurrency)", "", sweep_table(report["sweep"]), ""]
     md += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
