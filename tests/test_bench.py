@@ -342,3 +342,39 @@ def test_sampled_check_passes_and_catches_a_biased_acceptor(tiny, monkeypatch):
                   env={"x": 1}, sampled={"settings": good["settings"], "samples_per_check": 1500,
                                          "checks": list(bad.values()), "skipped": []})
     assert "SAMPLED CHECK FAILED: layerskip:1" in R.console(rep)
+
+
+# ---- the load sweep through the HTTP server (real model, real server processes) ------------
+@pytest.mark.real_model
+def test_server_sweep_streams_the_same_greedy_text(tmp_path):
+    """Two `verispec serve` processes (plain, ngram) at concurrency 1 and 3: every streamed text
+    equals the single-stream plain decoding, tau comes from the servers' counters, and the points
+    land in the report and its load plot."""
+    import torch
+
+    from verispec.bench.server_sweep import run_server_sweep
+    from verispec.models import load_model, load_tokenizer
+
+    target, tok = load_model("gemma3-270m", torch.bfloat16), load_tokenizer("gemma3-270m")
+    prompts = P.load(["mtbench", "humaneval"], limit=1)
+    for p in prompts:
+        p.ids = P.render(p, tok, "gemma3_text")
+    methods = verispec_methods(target, tok, "gemma3-270m", [], 5, "bfloat16", ["normal"], 512)
+    traces = run_interleaved(methods, prompts, 12, rounds=1)
+    # the servers run with this process's thread count: GEMM bits depend on how the work is split
+    points = run_server_sweep("gemma3-270m", [None, "ngram"], 5, "bfloat16", [1, 3], prompts, 12, 512,
+                              threads=torch.get_num_threads())
+    assert [(p["method"], p["concurrency"], p["requests"]) for p in points] == [
+        ("plain (server)", 1, 2), ("ngram (server)", 1, 2), ("plain (server)", 3, 3), ("ngram (server)", 3, 3)]
+    assert all(p["output_tokens"] == 12 * p["requests"] and p["throughput_tok_s"] > 0 for p in points)
+    assert points[0]["tau"] == 1.0 and points[1]["tau"] >= 1.0
+    rep = R.build(traces, methods, prompts, {"model": "gemma3-270m"}, points, env={"x": 1},
+                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    assert all(p["identical_to_single_stream_plain"] == {"identical": p["requests"], "total": p["requests"]}
+               for p in rep["sweep"]), [(p["method"], p["identical_to_single_stream_plain"]) for p in rep["sweep"]]
+    files = R.write({**rep, "config": {**rep["config"], "dtype": "bfloat16", "rounds": 1, "max_tokens": 12,
+                                       "num_draft_tokens": 5, "datasets": ["mtbench", "humaneval"],
+                                       "modes": ["normal"]}, "versions": {}, "machine": {
+        "cpu": "x", "logical_cpus": 2, "torch_threads": 1, "memory_gib": 1, "load_average": None}}, tmp_path)
+    assert "load_sweep.png" in {f.name for f in files}
+    assert "ngram (server)" in (tmp_path / "report.md").read_text()

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from verispec.server.process import ServerProcess
 
 pytestmark = pytest.mark.real_model
 openai = pytest.importorskip("openai")
@@ -21,39 +19,15 @@ MODEL = "gemma3-270m"
 CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(*extra) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "verispec.cli", "serve", "--port", str(port), "--max-batch-size", "8",
-         "--max-model-len", "512", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
+def start_server(*extra) -> ServerProcess:
+    return ServerProcess("--max-batch-size", "8", "--max-model-len", "512", *extra).wait_ready()
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server()
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    srv = start_server()
+    yield srv.url
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +216,8 @@ def test_client_disconnect_frees_the_kv_slot(server):
 
 
 def test_sigterm_ends_streams_cleanly():
-    proc, url = start_server("--drafter", "none")
+    srv = start_server("--drafter", "none")
+    proc, url = srv.proc, srv.url
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=120,
                           json={"model": MODEL, "prompt": CODE, "max_tokens": 60, "temperature": 0, "stream": True}) as r:

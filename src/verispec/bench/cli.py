@@ -60,6 +60,9 @@ def add_parser(sub) -> None:
                         "pip install 'verispec[llama]'); 'none' for no peers")
     b.add_argument("--concurrency", type=_ints, default=_ints(DEFAULT_CONCURRENCY),
                    help=f"load sweep levels (default {DEFAULT_CONCURRENCY}); 'none' to skip")
+    b.add_argument("--sweep-via", type=_list, default=["engine"],
+                   help="engine (in process) and/or server (through `verispec serve` processes over HTTP)")
+    b.add_argument("--sweep-rounds", type=int, default=1, help="rounds per level of the server sweep (median)")
     b.add_argument("--sweep-drafters", type=_list, default=None,
                    help="drafters in the load sweep (default: plain + --drafters)")
     b.add_argument("--sample-check", type=int, default=2, metavar="PROMPTS",
@@ -90,6 +93,8 @@ def _check(args) -> None:
                         ("--sample-n", args.sample_n, 10)):
         if v < lo:
             raise UserError(f"{name} must be >= {lo}, got {v}")
+    if not args.sweep_via or any(v not in ("engine", "server") for v in args.sweep_via):
+        raise UserError(f"--sweep-via takes engine and/or server, got {args.sweep_via}")
     if not args.modes or any(m not in ("normal", "exact") for m in args.modes):
         raise UserError(f"--modes takes normal and/or exact, got {args.modes}")
     for p in args.peers:
@@ -150,8 +155,10 @@ def cmd_bench(args) -> int:
     if not args.stop_at_eos:
         notes.append("every request generates exactly --max-tokens tokens (<eos> does not stop it; transformers: "
                      "eos_token_id=None, llama.cpp: its generator is not stopped at <eos>).")
-    notes.append("speed numbers are measured in this run; nothing is cached. Peers' tau = (tokens - 1) / (target "
-                 "forward calls - 1), counted with a forward hook (transformers) or 1 token per call (llama.cpp).")
+    notes.append("speed numbers are measured in this run; nothing is cached between requests, except that "
+                 "requests with the same prompt admitted together prefill it once (the load sweep repeats prompts "
+                 "when the concurrency exceeds their number). Peers' tau = (tokens - 1) / (target forward calls - "
+                 "1), counted with a forward hook (transformers) or per eval call (llama.cpp).")
 
     log(f"{len(methods)} methods x {len(prompts)} prompts x {args.rounds} rounds")
     traces = run_interleaved(methods, prompts, args.max_tokens, args.rounds, progress=log)
@@ -165,20 +172,30 @@ def cmd_bench(args) -> int:
     if args.concurrency:
         sweep_drafters = [None, *(args.sweep_drafters if args.sweep_drafters is not None else args.drafters)]
         sweep_drafters = [None if d in (None, "plain") else d for d in dict.fromkeys(sweep_drafters)]
-        for mode in args.modes[:1]:
-            sweep += run_sweep(target, tok, args.model, sweep_drafters, args.num_draft_tokens, args.dtype, mode,
-                               args.concurrency, prompts, args.max_tokens, max_len, ignore_eos, progress=log)
+        if "engine" in args.sweep_via:
+            sweep += run_sweep(target, tok, args.model, sweep_drafters, args.num_draft_tokens, args.dtype,
+                               args.modes[0], args.concurrency, prompts, args.max_tokens, max_len, ignore_eos,
+                               progress=log)
+        if "server" in args.sweep_via:
+            from .server_sweep import run_server_sweep
+
+            if not ignore_eos:
+                raise UserError("--sweep-via server always generates --max-tokens tokens (drop --stop-at-eos)")
+            sweep += run_server_sweep(args.model, sweep_drafters, args.num_draft_tokens, args.dtype, args.concurrency,
+                                      prompts, args.max_tokens, max_len, args.sweep_rounds, args.threads, progress=log)
     config = {
         "model": args.model, "model_type": model_type, "hf_folder": str(hf_folder(args.model)), "dtype": args.dtype,
         "drafters": args.drafters, "datasets": args.datasets, "limit": args.limit, "spread": args.spread, "mtbench_turns": args.mtbench_turns,
         "sharegpt_n": args.sharegpt_n, "seed": args.seed, "max_tokens": args.max_tokens, "ignore_eos": ignore_eos,
         "num_draft_tokens": args.num_draft_tokens, "modes": args.modes,
         "exact_drafters": args.exact_drafters, "rounds": args.rounds, "peers": args.peers,
-        "concurrency": args.concurrency, "max_model_len": max_len, "threads": torch.get_num_threads(),
+        "concurrency": args.concurrency, "sweep_via": args.sweep_via, "sweep_rounds": args.sweep_rounds,
+        "max_model_len": max_len, "threads": torch.get_num_threads(),
         "greedy": True, "load_average_at_start": load_at_start, "sample_check": args.sample_check,
         "sample_n": args.sample_n,
     }
-    report = R.build(traces, methods, prompts, config, sweep, notes, sampled=sampled)
+    report = R.build(traces, methods, prompts, config, sweep, notes, sampled=sampled,
+                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
     print(R.console(report))
     if args.report:
         files = R.write(report, args.report)

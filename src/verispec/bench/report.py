@@ -45,7 +45,9 @@ def environment() -> dict:
 
 
 def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | None = None,
-          notes: list[str] | None = None, env: dict | None = None, sampled: dict | None = None) -> dict:
+          notes: list[str] | None = None, env: dict | None = None, sampled: dict | None = None,
+          decode=None) -> dict:
+    """decode(ids) -> text, as the server detokenizes: lets server sweep outputs be checked too."""
     by_method = defaultdict(list)
     for t in traces:
         by_method[t.method].append(t)
@@ -96,8 +98,14 @@ def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | Non
             single[(t.method, t.prompt)] = t.output_ids
     for p in report["sweep"]:
         tag = " [exact]" if p["method"].endswith(" [exact]") else ""
-        pairs = [(r["output_ids"], single.get((f"plain{tag}", r["prompt"]))) for r in p["per_request"]]
-        pairs = [(a, b) for a, b in pairs if b is not None]
+        if p.get("via") == "server":  # the server streams text: compare with the detokenized reference
+            if decode is None:
+                continue
+            pairs = [(r["text"], single.get((f"plain{tag}", r["prompt"]))) for r in p["per_request"]]
+            pairs = [(a, decode(b)) for a, b in pairs if b is not None]
+        else:
+            pairs = [(r["output_ids"], single.get((f"plain{tag}", r["prompt"]))) for r in p["per_request"]]
+            pairs = [(a, b) for a, b in pairs if b is not None]
         p["identical_to_single_stream_plain"] = {"identical": sum(a == b for a, b in pairs), "total": len(pairs)}
     report["mismatches"] = {n: s["equality"]["mismatched_prompts"] for n, s in report["summary"].items()
                             if s.get("equality") and s["equality"]["identical"] < s["equality"]["total"]}
@@ -244,7 +252,10 @@ def markdown(report: dict, plots: list[str]) -> str:
         md += ["## Sampled output: distribution check", "", sampled_title(report["sampled_check"]) + ".", "",
                sampled_table(report["sampled_check"]), ""]
     if report["sweep"]:
-        md += ["## Load sweep (in-process engine, max_batch_size = concurrency)", "", sweep_table(report["sweep"]), ""]
+        md += ["## Load sweep", "", "In-process points: one engine per point with max_batch_size = concurrency. Points "
+               "marked (server): a `verispec serve` process per method (max_batch_size = the largest level), "
+               "requests streamed over HTTP with that many in flight; TTFT/TPOT measured at the client; output "
+               "compared as text with the single-stream plain decoding.", "", sweep_table(report["sweep"]), ""]
     md += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     md += ["## Definitions", ""] + [f"- **{k}**: {v}" for k, v in report["definitions"].items()] + [""]
     if report["notes"]:

@@ -1,0 +1,126 @@
+"""The load sweep through the HTTP server: what a user of `verispec serve` sees under load.
+
+One `verispec serve` process per method (plain = `--drafter none`), all started before the sweep
+and alive together, so each level and round runs every method back to back in a rotated order and
+machine noise hits them alike (an idle server costs no CPU). At each concurrency level the same
+requests as the in-process sweep (`runner.sweep_requests`: the run's prompts, repeated to fill the
+batch) are streamed with that many in flight at once (greedy, `ignore_eos`, token-id prompts);
+time to first token and time per output token are measured at the client, tau from the server's
+Prometheus counters over the level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from typing import Callable
+
+import httpx
+
+from ..server.process import ServerProcess
+from .metrics import spread
+from .prompts import Prompt
+from .runner import sweep_requests
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, tokens, text = None, 0, []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"server answered {r.status_code}: {(await r.aread()).decode()[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0]["text"]:
+                first = first or time.perf_counter()
+                text.append(chunk["choices"][0]["text"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    first = first or end
+    return {"tokens": tokens, "seconds": end - t0, "ttft_s": first - t0,
+            "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None, "text": "".join(text)}
+
+
+async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max_tokens: int) -> tuple[float, list]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=1800) as client:
+        async def guarded(p: Prompt):
+            async with sem:
+                return {"prompt": p.id, **await _one(client, url, model, p.ids, max_tokens)}
+
+        t0 = time.perf_counter()
+        rows = await asyncio.gather(*(guarded(p) for p in reqs))
+        return time.perf_counter() - t0, rows
+
+
+def _counters(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("verispec:") and "{" in line:
+            name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str, concurrency: list[int],
+                     prompts: list[Prompt], max_tokens: int, max_model_len: int, rounds: int = 1,
+                     threads: int | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Sweep points (the in-process sweep's dict shape, `"via": "server"`), medians over rounds."""
+    names = {spec: f"{spec or 'plain'} (server)" for spec in drafters}
+    servers = {}
+    try:
+        for spec in drafters:
+            args = ["--model", model, "--drafter", spec or "none", "-k", str(k if spec else 0), "--dtype", dtype,
+                    "--max-batch-size", str(max(concurrency)), "--max-model-len", str(max_model_len),
+                    "--prefill-chunk", "256"]
+            servers[spec] = ServerProcess(*args, threads=threads)
+        for spec, srv in servers.items():
+            srv.wait_ready()
+            asyncio.run(_level(srv.url, model, prompts[:2], 2, 4))  # warm-up, untimed
+        runs: dict[tuple, list] = {}
+        for r in range(rounds):
+            for c in concurrency:
+                reqs = sweep_requests(prompts, c)
+                order = list(servers)
+                j = (r + concurrency.index(c)) % len(order)
+                for spec in order[j:] + order[:j]:
+                    url = servers[spec].url
+                    before = _counters(url)
+                    seconds, rows = asyncio.run(_level(url, model, reqs, c, max_tokens))
+                    after = _counters(url)
+                    fwd = after.get("verispec:spec_decode_num_target_forwards_total", 0) - \
+                        before.get("verispec:spec_decode_num_target_forwards_total", 0)
+                    gen = after.get("verispec:generation_tokens_total", 0) - before.get("verispec:generation_tokens_total", 0)
+                    # the first token of each request comes from its prefill, not from a decode forward
+                    runs.setdefault((spec, c), []).append((seconds, rows, (gen - len(rows)) / fwd if fwd else None))
+                    if progress:
+                        tok = sum(x["tokens"] for x in rows)
+                        progress(f"server sweep {names[spec]} @ {c}, round {r + 1}: {tok / seconds:.1f} tok/s")
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    points = []
+    for (spec, c), reps in runs.items():
+        seconds = statistics.median(s for s, _, _ in reps)
+        rows = [x for _, rs, _ in reps for x in rs]
+        tokens = sum(x["tokens"] for x in reps[0][1])
+        tpots = [x["tpot_s"] for x in rows if x["tpot_s"]]
+        taus = [t for _, _, t in reps if t]
+        points.append({
+            "method": names[spec], "via": "server", "concurrency": c, "requests": len(reps[0][1]),
+            "output_tokens": tokens, "seconds": seconds, "throughput_tok_s": tokens / seconds,
+            "throughput_rounds": [sum(x["tokens"] for x in rs) / s for s, rs, _ in reps],
+            "tau": statistics.median(taus) if taus else None,
+            "tpot_ms": spread([x * 1e3 for x in tpots]), "per_user_tok_s": spread([1 / x for x in tpots]),
+            "ttft_ms": spread([x["ttft_s"] * 1e3 for x in rows]),
+            "per_request": rows,
+        })
+    points.sort(key=lambda p: (p["concurrency"], drafters.index(next(s for s in drafters if names[s] == p["method"]))))
+    return points

@@ -1,0 +1,70 @@
+"""A `verispec serve` subprocess on a free local port: started, waited for, stopped with SIGTERM.
+
+Used by the HTTP load sweep of `verispec bench` and by the server's tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, threads: int | None = None, log_path: str | None = None):
+        """args: `verispec serve` arguments (the port is chosen here); threads: torch threads of the process."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self._log = open(log_path, "w+") if log_path else subprocess.PIPE
+        self.proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--port", str(self.port), *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def output(self) -> str:
+        if self._log is subprocess.PIPE:
+            return self.proc.stdout.read() if self.proc.stdout else ""
+        self._log.seek(0)
+        return self._log.read()
+
+    def wait_ready(self, timeout: float = 300) -> "ServerProcess":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.PIPE:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
