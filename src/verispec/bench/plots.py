@@ -65,13 +65,14 @@ def load_sweep(report: dict, path: Path) -> None:
     for name, pts in by.items():
         pts.sort(key=lambda p: p["concurrency"])
         cs = [p["concurrency"] for p in pts]
-        a.plot(cs, [p["throughput_tok_s"] for p in pts], marker="o", label=name)
+        ls = "--" if pts[0].get("via") == "server" else "-"  # dashed: through the HTTP server
+        line, = a.plot(cs, [p["throughput_tok_s"] for p in pts], marker="o", ls=ls, label=name)
         users = [p["per_user_tok_s"]["median"] or 0.0 for p in pts]
-        b.plot(users, [p["throughput_tok_s"] for p in pts], marker="o", label=name)
+        b.plot(users, [p["throughput_tok_s"] for p in pts], marker="o", ls=ls, color=line.get_color(), label=name)
         for c, x, y in zip(cs, users, [p["throughput_tok_s"] for p in pts]):
             b.annotate(str(c), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     a.set_xscale("log", base=2)
-    a.set_xlabel("concurrency (max_batch_size)")
+    a.set_xlabel("concurrency (requests in flight)")
     a.set_ylabel("throughput, output tok/s")
     a.set_title("Throughput vs concurrency")
     b.set_xlabel("per-user speed, tok/s (median 1/TPOT)")
