@@ -71,3 +71,29 @@ def test_exact_mode_bf16_equals_plain(tok):
     spec, seqs = generate(model, tok, NgramDrafter(), PROMPTS, exact=True)
     assert spec == plain
     assert sum(s.stats.accepted for s in seqs) > 0
+
+
+def test_bf16_batched_and_chunked_equals_alone(tok):
+    """Default bf16 mode: a request's greedy output does not depend on who shares its batch nor on
+    how its prompt was cut into prefill chunks (prompts of 31-132 tokens, 48-token chunk budget,
+    decode batches of up to 8 x 6 rows), with and without speculation."""
+    from verispec.bench import prompts as P
+
+    model = load_model("gemma3-270m", dtype=torch.bfloat16)
+    ps = P.load(["mtbench", "humaneval"], limit=4)
+    ids = [P.render(p, tok, "gemma3_text") for p in ps]
+    assert max(len(i) for i in ids) > 2 * 64  # past the GEMM row block and several chunks
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run(prompts, drafter, chunk):
+        cfg = EngineConfig(drafter=None, num_draft_tokens=5, max_batch_size=len(prompts), max_model_len=256,
+                           prefill_chunk=chunk)
+        eng = Engine(model, tok, cfg, drafter)
+        seqs = [eng.add_request(p, sp) for p in prompts]
+        while eng.has_work:
+            eng.step()
+        return [s.output_ids for s in seqs]
+
+    alone = [run([p], None, 4096)[0] for p in ids]
+    assert run(ids, None, 48) == alone
+    assert run(ids, NgramDrafter(), 48) == alone

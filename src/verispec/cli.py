@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu")
     g.add_argument("--max-model-len", type=_positive_int, default=2048)
     g.add_argument("--exact", action="store_true",
-                   help="batch-invariant numerics in fp32 and prefill too (bf16 decoding is invariant already)")
+                   help="batch-invariant numerics in fp32 too (bf16 is invariant already)")
     g.add_argument("--compare", action="store_true", help="also decode without speculation and report the speed-up")
     g.add_argument("--json", action="store_true", help="print one JSON document (token ids, text, statistics)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -42,10 +42,11 @@ def exact_distribution(target, prompt_ids: list[int], sp: SamplingParams, num_to
     """The exact distribution of the first `num_tokens` tokens the engine's plain decoding of
     `target` samples after `prompt_ids`, computed with the engine's own numerics.
 
-    `exact` is the engine's exact mode. Token 1 comes from a one-chunk prefill, exactly as the
-    engine computes it. Tokens 2.. come from decode forwards; where those are batch-invariant (the
-    engine's default in bf16/fp16, and exact mode: `Engine.decode_invariant`) a row's bits do not depend on the batch or the window, so enumerating every prefix in one batched
-    forward reproduces the engine's logits bit for bit. Every conditional is processed by
+    `exact` is the engine's exact mode. Token 1 comes from a prefill, tokens 2.. from decode
+    forwards. Where the engine's forwards are batch-invariant (its default in bf16/fp16, and exact
+    mode: `Engine.decode_invariant`) a row's bits depend neither on the batch, nor on the verify
+    window, nor on the prefill chunking, so one prefill and one batched forward per position over
+    every prefix reproduce the engine's logits bit for bit. Every conditional is processed by
     `verify.probs` as the engine processes it.
 
     Without invariance (fp32 outside exact mode) the logits agree only to rounding, so `borderline`
@@ -54,12 +55,12 @@ def exact_distribution(target, prompt_ids: list[int], sp: SamplingParams, num_to
     and the check would test numerics, not the sampler.
     """
     P = len(prompt_ids)
-    decode_invariant = exact or target.dtype != torch.float32
+    invariant = exact or target.dtype != torch.float32  # Engine.decode_invariant: prefill and decode
     was = target.invariant
-    target.set_batch_invariant(exact)
+    target.set_batch_invariant(invariant)
     cache = target.new_cache(1 + batch, round_up(P + num_tokens, KV_BLOCK))  # slot 0: the prompt
     out = target(torch.tensor([list(prompt_ids)], device=target.device), cache, [0], torch.zeros(1, dtype=torch.long),
-                 logit_rows=torch.tensor([[P - 1]]))
+                 logit_rows=torch.tensor([[P - 1]]), kv_len=round_up(P, KV_BLOCK) if invariant else None)
     cache.commit(0, P)
     logits = out.logits[:, 0].float().cpu()  # [1, V]
     prefixes: list[tuple[int, ...]] = [()]
@@ -67,10 +68,9 @@ def exact_distribution(target, prompt_ids: list[int], sp: SamplingParams, num_to
     borderline = None
     for t in range(num_tokens):
         if t:
-            target.set_batch_invariant(decode_invariant)
-            logits = torch.cat([_next_logits(target, cache, P, prefixes[i : i + batch], decode_invariant)
+            logits = torch.cat([_next_logits(target, cache, P, prefixes[i : i + batch], invariant)
                                 for i in range(0, len(prefixes), batch)])  # [n, V] fp32
-            if not decode_invariant:
+            if not invariant:
                 borderline = borderline or _borderline(logits, sp, logit_margin, p_margin, t)
         p = probs(logits, sp).double()  # [n, V]
         rows, toks = p.nonzero(as_tuple=True)

@@ -43,7 +43,7 @@ class EngineConfig:
     max_batch_size: int = 8  # KV slots: requests decoded at once (more wait in the queue)
     kv_cache_mb: float | None = None  # if set, the target's KV memory budget; it must hold max_batch_size slots
     max_model_len: int = 2048  # KV rows per sequence (prompt + output + draft)
-    exact: bool = False  # batch-invariant numerics in fp32 too (one GEMV per row) and in prefill
+    exact: bool = False  # batch-invariant numerics in fp32 too (one GEMV per row); bf16 is invariant already
     prefill_chunk: int = 256  # prompt tokens prefilled per engine step, over all requests
 
     def __post_init__(self):
@@ -98,10 +98,11 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, drafter: Drafter | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.drafter = drafter
-        # Decode/verify forwards are batch-invariant whenever that is (nearly) free — bf16/fp16 on
-        # CPU: GEMM rows that do not depend on the row count, attention over a key length rounded
-        # up to the CPU kernel's 512-key block — so a token's bits do not depend on the verify
-        # window nor on which other requests share the batch. fp32 pays for it only in exact mode.
+        # Forwards are batch-invariant whenever that is (nearly) free — bf16/fp16 on CPU: GEMM rows
+        # in blocks of at most 64 (rows that do not depend on the row count), attention over a key
+        # length rounded up to the CPU kernel's 512-key block — so a token's bits do not depend on
+        # the verify window, on which other requests share the batch, nor on how its prompt was
+        # cut into prefill chunks. fp32 pays for it only in exact mode.
         self.decode_invariant = config.exact or model.dtype != torch.float32
         self.max_len = min(config.max_model_len, model.config.max_position_embeddings)
         rows = round_up(self.max_len + config.num_draft_tokens + 1, KV_BLOCK)
@@ -224,7 +225,7 @@ class Engine:
         delays the running requests' decode by one chunk at a time instead of stalling them."""
         budget = self.config.prefill_chunk
         events = []
-        self.model.set_batch_invariant(self.config.exact)
+        self.model.set_batch_invariant(self.decode_invariant)  # a prompt's bits must not depend on its chunking
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
@@ -236,6 +237,7 @@ class Engine:
             out = self.model(
                 torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
                 logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
+                kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.decode_invariant else None,
             )
             self.cache.commit(seq.slot, len(chunk_ids))
             self._observe(seq, out, 0, done_rows, len(chunk_ids))

@@ -24,6 +24,9 @@ from .config import ModelConfig
 from ..kv import KVCache
 
 
+INVARIANT_ROWS = 64  # rows per GEMM call in invariant mode (bf16 CPU GEMM rows are count-invariant up to here)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T, choosing the fastest CPU kernel for decode-sized inputs.
 
@@ -49,6 +52,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.mv(weight, x2[0])[None]
     elif M == 1:  # one row goes through the same GEMM kernel as several (padded to two; same speed as mv)
         y = (weight @ torch.cat([x2, torch.zeros_like(x2)]).t())[:, :1].t().contiguous()
+    elif invariant:  # row blocks of a fixed maximum size: oneDNN re-blocks K past ~78 rows, changing the bits
+        y = torch.cat([(weight @ xb.t()).t() for xb in x2.split(INVARIANT_ROWS)]).contiguous()
     else:  # dense rows: elementwise ops that follow vectorize a transposed view differently
         y = (weight @ x2.t()).t().contiguous()
     if bias is not None:
