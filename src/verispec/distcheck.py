@@ -44,7 +44,7 @@ def exact_distribution(target, prompt_ids: list[int], sp: SamplingParams, num_to
 
     `exact` is the engine's exact mode. Token 1 comes from a prefill, tokens 2.. from decode
     forwards. Where the engine's forwards are batch-invariant (its default in bf16/fp16, and exact
-    mode: `Engine.decode_invariant`) a row's bits depend neither on the batch, nor on the verify
+    mode: `Engine.invariant`) a row's bits depend neither on the batch, nor on the verify
     window, nor on the prefill chunking, so one prefill and one batched forward per position over
     every prefix reproduce the engine's logits bit for bit. Every conditional is processed by
     `verify.probs` as the engine processes it.
@@ -55,7 +55,7 @@ def exact_distribution(target, prompt_ids: list[int], sp: SamplingParams, num_to
     and the check would test numerics, not the sampler.
     """
     P = len(prompt_ids)
-    invariant = exact or target.dtype != torch.float32  # Engine.decode_invariant: prefill and decode
+    invariant = exact or target.dtype != torch.float32  # Engine.invariant: prefill and decode
     was = target.invariant
     target.set_batch_invariant(invariant)
     cache = target.new_cache(1 + batch, round_up(P + num_tokens, KV_BLOCK))  # slot 0: the prompt

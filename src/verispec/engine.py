@@ -103,7 +103,7 @@ class Engine:
         # length rounded up to the CPU kernel's 512-key block — so a token's bits do not depend on
         # the verify window, on which other requests share the batch, nor on how its prompt was
         # cut into prefill chunks. fp32 pays for it only in exact mode.
-        self.decode_invariant = config.exact or model.dtype != torch.float32
+        self.invariant = config.exact or model.dtype != torch.float32
         self.max_len = min(config.max_model_len, model.config.max_position_embeddings)
         rows = round_up(self.max_len + config.num_draft_tokens + 1, KV_BLOCK)
         c = model.config
@@ -181,8 +181,8 @@ class Engine:
         width = 1 + max(len(d.tokens) for d in drafts)
         ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
         starts = torch.tensor([self.cache.lengths[s.slot] for s in seqs])
-        self.model.set_batch_invariant(self.decode_invariant)
-        kv_len = round_up(int(starts.max()) + width, KV_BLOCK) if self.decode_invariant else None
+        self.model.set_batch_invariant(self.invariant)
+        kv_len = round_up(int(starts.max()) + width, KV_BLOCK) if self.invariant else None
         out = self.model(ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts, taps=self._taps,
                          kv_len=kv_len)
         logits = out.logits  # [B, width, V]
@@ -225,7 +225,7 @@ class Engine:
         delays the running requests' decode by one chunk at a time instead of stalling them."""
         budget = self.config.prefill_chunk
         events = []
-        self.model.set_batch_invariant(self.decode_invariant)  # a prompt's bits must not depend on its chunking
+        self.model.set_batch_invariant(self.invariant)  # a prompt's bits must not depend on its chunking
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
@@ -237,7 +237,7 @@ class Engine:
             out = self.model(
                 torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
                 logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
-                kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.decode_invariant else None,
+                kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.invariant else None,
             )
             self.cache.commit(seq.slot, len(chunk_ids))
             self._observe(seq, out, 0, done_rows, len(chunk_ids))
