@@ -2,11 +2,11 @@
 # The load benchmark: concurrency 1, 2, 4, 8, 16, 32 through the continuous-batching engine in process
 # and through `verispec serve` over HTTP (one server process per method, all alive together, methods
 # rotated per level), plain decoding and the n-gram drafter (k = 5), Gemma 3 270M bf16, greedy,
-# 128 streamed tokens per request; the first LIMIT MT-Bench + LIMIT HumanEval prompts, repeated to fill
+# 64 streamed tokens per request; the first LIMIT MT-Bench + LIMIT HumanEval prompts, repeated to fill
 # the batch. Every output is checked against single-stream plain decoding (token ids in process, text
 # over HTTP). Throughput vs per-user speed is plotted in load_sweep.png.
 #
-# The results in BENCHMARKS.md: `OUT=benchmarks/results/load benchmarks/run_load.sh` (about 25 minutes).
+# The results in BENCHMARKS.md: `OUT=benchmarks/results/load benchmarks/run_load.sh` (about 11 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERISPEC="${VERISPEC:-verispec}"
@@ -16,7 +16,7 @@ OUT="${OUT:-benchmarks/results/load-$(date -u +%Y%m%dT%H%M%SZ)}"
 "$VERISPEC" bench \
     --model "${MODEL:-gemma3-270m}" --dtype bfloat16 \
     --datasets mtbench,humaneval --limit "${LIMIT:-4}" \
-    --max-tokens "${MAX_TOKENS:-128}" --rounds 1 -k "${K:-5}" \
+    --max-tokens "${MAX_TOKENS:-64}" --rounds 1 -k "${K:-5}" \
     --drafters ngram --peers none --sample-check 0 \
     --concurrency "${CONCURRENCY:-1,2,4,8,16,32}" --sweep-via engine,server --sweep-rounds "${SWEEP_ROUNDS:-1}" \
     --threads "${THREADS:-2}" \
