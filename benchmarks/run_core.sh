@@ -9,7 +9,7 @@
 #   (pip install 'verispec[llama]', a source build of about 20 minutes on 2 cores); and the sampled-output
 #   check (3-token exact distribution at T=0.8, top-k 5, top-p 0.95 vs 1000 seeded requests) on 2 prompts.
 #
-# The results in BENCHMARKS.md: `OUT=benchmarks/results/core benchmarks/run_core.sh` (about 30 minutes).
+# The results in BENCHMARKS.md: `OUT=benchmarks/results/core benchmarks/run_core.sh` (about 20 minutes).
 # Smoke test (2 prompts x 16 tokens x 1 round): LIMIT=1 MAX_TOKENS=16 ROUNDS=1 SAMPLE_N=100 benchmarks/run_core.sh
 #
 # The full benchmark (all three prompt sets; ShareGPT needs `pip install 'verispec[bench]'`; per-category
