@@ -9,8 +9,9 @@ method go through the engine with the method's drafter, and the empirical distri
 compared with the exact one. Plain decoding is checked too: it is the control that the
 enumeration and the engine agree.
 
-Prompts whose top-k or top-p boundary is within rounding noise of flipping are skipped (recorded
-with the reason): there the support itself would depend on one forward's rounding.
+In bf16 the enumeration reproduces the engine's logits bit for bit. In fp32 (not batch-invariant
+outside exact mode) prompts whose top-k or top-p boundary is within rounding noise of flipping are
+skipped, with the reason recorded: there the support itself would depend on one forward's rounding.
 """
 
 from __future__ import annotations
