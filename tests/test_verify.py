@@ -319,3 +319,35 @@ def test_sampling_params_valid_edges():
 def test_verdict_fields():
     v = Verdict([1, 2], 1)
     assert v.tokens == [1, 2] and v.accepted == 1
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, 0.9), (None, 0.999), (50, 0.95), (None, 0.3)])
+def test_top_p_over_candidates_equals_the_full_sort(top_k, top_p):
+    """Large vocabularies take top-p over the most likely candidates (growing them until they
+    provably hold every kept token); the kept set and probabilities equal a full sort's."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 20000, generator=g) * torch.tensor([[0.5], [1.0], [2.0], [4.0], [8.0], [0.1]])
+    sp = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    got = probs(logits, sp)
+    x = logits if top_k is None else logits.masked_fill(logits < logits.topk(top_k, -1).values[:, -1:], float("-inf"))
+    p = x.softmax(-1)
+    sorted_p, order = p.sort(-1, descending=True)
+    drop = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, (sorted_p.cumsum(-1) - sorted_p) >= top_p)
+    ref = p.masked_fill(drop, 0.0)
+    ref = ref / ref.sum(-1, keepdim=True)
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+    if top_k is None and top_p > 0.5:
+        assert (got > 0).sum(-1).max() > 64  # the flat rows needed more than the first 64 candidates
+
+
+def test_inverse_cdf_sample_never_draws_a_zero_probability_token():
+    from verispec.verify import sample
+
+    p = torch.zeros(262144)
+    p[[5, 70000, 262143]] = torch.tensor([0.2, 0.3, 0.5])
+    g = torch.Generator().manual_seed(1)
+    draws = [sample(p, g) for _ in range(3000)]
+    assert set(draws) == {5, 70000, 262143}
+    freq = torch.tensor([draws.count(t) for t in (5, 70000, 262143)]) / 3000
+    assert (freq - torch.tensor([0.2, 0.3, 0.5])).abs().max() < 0.04
