@@ -58,28 +58,30 @@ def exact_distribution(target, prompt_ids: list[int], sp: SamplingParams, num_to
     invariant = exact or target.dtype != torch.float32  # Engine.invariant: prefill and decode
     was = target.invariant
     target.set_batch_invariant(invariant)
-    cache = target.new_cache(1 + batch, round_up(P + num_tokens, KV_BLOCK))  # slot 0: the prompt
-    out = target(torch.tensor([list(prompt_ids)], device=target.device), cache, [0], torch.zeros(1, dtype=torch.long),
-                 logit_rows=torch.tensor([[P - 1]]), kv_len=round_up(P, KV_BLOCK) if invariant else None)
-    cache.commit(0, P)
-    logits = out.logits[:, 0].float().cpu()  # [1, V]
-    prefixes: list[tuple[int, ...]] = [()]
-    weights = torch.ones(1, dtype=torch.float64)
-    borderline = None
-    for t in range(num_tokens):
-        if t:
-            logits = torch.cat([_next_logits(target, cache, P, prefixes[i : i + batch], invariant)
-                                for i in range(0, len(prefixes), batch)])  # [n, V] fp32
-            if not invariant:
-                borderline = borderline or _borderline(logits, sp, logit_margin, p_margin, t)
-        p = probs(logits, sp).double()  # [n, V]
-        rows, toks = p.nonzero(as_tuple=True)
-        if len(rows) > max_outcomes:
-            raise ValueError(f"the sampling settings allow {len(rows)} outcomes at output token {t + 1} "
-                             f"(limit {max_outcomes}); use a smaller top_k / top_p or fewer tokens")
-        weights = weights[rows] * p[rows, toks]
-        prefixes = [prefixes[r] + (k,) for r, k in zip(rows.tolist(), toks.tolist())]
-    target.set_batch_invariant(was)
+    try:
+        cache = target.new_cache(1 + batch, round_up(P + num_tokens, KV_BLOCK))  # slot 0: the prompt
+        out = target(torch.tensor([list(prompt_ids)], device=target.device), cache, [0], torch.zeros(1, dtype=torch.long),
+                     logit_rows=torch.tensor([[P - 1]]), kv_len=round_up(P, KV_BLOCK) if invariant else None)
+        cache.commit(0, P)
+        logits = out.logits[:, 0].float().cpu()  # [1, V]
+        prefixes: list[tuple[int, ...]] = [()]
+        weights = torch.ones(1, dtype=torch.float64)
+        borderline = None
+        for t in range(num_tokens):
+            if t:
+                logits = torch.cat([_next_logits(target, cache, P, prefixes[i : i + batch], invariant)
+                                    for i in range(0, len(prefixes), batch)])  # [n, V] fp32
+                if not invariant:
+                    borderline = borderline or _borderline(logits, sp, logit_margin, p_margin, t)
+            p = probs(logits, sp).double()  # [n, V]
+            rows, toks = p.nonzero(as_tuple=True)
+            if len(rows) > max_outcomes:
+                raise ValueError(f"the sampling settings allow {len(rows)} outcomes at output token {t + 1} "
+                                 f"(limit {max_outcomes}); use a smaller top_k / top_p or fewer tokens")
+            weights = weights[rows] * p[rows, toks]
+            prefixes = [prefixes[r] + (k,) for r, k in zip(rows.tolist(), toks.tolist())]
+    finally:
+        target.set_batch_invariant(was)
     return ExactDistribution(prefixes, weights / weights.sum(), borderline)
 
 

@@ -122,5 +122,6 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
             "ttft_ms": spread([x["ttft_s"] * 1e3 for x in rows]),
             "per_request": rows,
         })
-    points.sort(key=lambda p: (p["concurrency"], drafters.index(next(s for s in drafters if names[s] == p["method"]))))
+    order = {name: i for i, name in enumerate(names.values())}
+    points.sort(key=lambda p: (p["concurrency"], order[p["method"]]))
     return points

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -28,13 +29,13 @@ class ServerProcess:
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        self._log = open(log_path, "w+") if log_path else subprocess.PIPE
+        # a file, never a pipe: nobody reads a pipe while the server runs, and once its buffer is
+        # full the server would block on its next log line (one per request under load)
+        self._log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "verispec.cli", "serve", "--port", str(self.port), *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, text=True, env=env)
 
     def output(self) -> str:
-        if self._log is subprocess.PIPE:
-            return self.proc.stdout.read() if self.proc.stdout else ""
         self._log.seek(0)
         return self._log.read()
 
@@ -59,8 +60,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self._log is not subprocess.PIPE:
-            self._log.close()
+        self._log.close()
         return self.proc.returncode
 
     def __enter__(self) -> "ServerProcess":
