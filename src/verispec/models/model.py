@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .paths import PathViews
 from ..kv import KVCache
 
 
@@ -134,19 +135,24 @@ class Attention(nn.Module):
         slots, rows = slot_rows  # [B, T] each
         k_cache[slots, :, rows] = k.transpose(1, 2)  # [B, T, kvh, hd]
         v_cache[slots, :, rows] = v
-        K, V = kv_view(k_cache), kv_view(v_cache)  # [B, kvh, Lk, hd]
-        if c.attn_logit_softcap is None:
-            pad = self.invariant and T == 1  # the CPU kernel has its own path for one query row
-            if pad:
-                q, mask = torch.cat([q, q], dim=2), torch.cat([mask, mask], dim=2)
-            o = F.scaled_dot_product_attention(
-                q, K, V, attn_mask=mask, scale=c.attn_scale, enable_gqa=c.num_heads != c.num_kv_heads
-            )
-            if pad:
-                o = o[:, :, :1]
+        if isinstance(kv_view, PathViews):
+            o = kv_view.attend(q, k_cache, v_cache, mask, self._attend)  # [B, T, h, hd]
         else:
-            o = _softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
-        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)
+            o = self._attend(q, kv_view(k_cache), kv_view(v_cache), mask).transpose(1, 2)  # [B, T, h, hd]
+        return linear(o.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)
+
+    def _attend(self, q, K, V, mask):
+        """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd]."""
+        c = self.c
+        if c.attn_logit_softcap is not None:
+            return _softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
+        pad = self.invariant and q.shape[2] == 1  # the CPU kernel has its own path for one query row
+        if pad:
+            q, mask = torch.cat([q, q], dim=2), torch.cat([mask, mask], dim=2)
+        o = F.scaled_dot_product_attention(
+            q, K, V, attn_mask=mask, scale=c.attn_scale, enable_gqa=c.num_heads != c.num_kv_heads
+        )
+        return o[:, :, :1] if pad else o
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -330,6 +336,7 @@ class CausalLM(nn.Module):
         taps: tuple[int, ...] = (),  # layer outputs to return
         want_logits: bool = True,
         kv_len: int | None = None,  # attend over this many cache rows (static shapes); default max(start)+T
+        paths: PathViews | None = None,  # token trees: each query attends its own path view (models/paths.py)
     ) -> ForwardOutput:
         B, T = input_ids.shape
         dev = self.device
@@ -338,7 +345,10 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = new_rows
         Lk = kv_len or int(starts.max()) + T
-        masks = _attention_masks(self.config, starts, positions, tree_mask, T, Lk, num_layers)
+        if paths is not None:
+            masks = paths.masks(self.config.sliding_windows[: num_layers or self.config.num_layers])
+        else:
+            masks = _attention_masks(self.config, starts, positions, tree_mask, T, Lk, num_layers)
 
         slot_idx = torch.tensor(slots, device=dev)[:, None].expand(B, T)
         contiguous = slots == list(range(slots[0], slots[0] + B))
@@ -365,7 +375,8 @@ class CausalLM(nn.Module):
                 cos_sin[kind] = self._cos_sin(kind, positions)
             cos, sin = cos_sin[kind]
             x = self.model.layers[i](
-                x, cos, sin, masks[self.config.sliding_windows[i]], cache.k[i], cache.v[i], (slot_idx, new_rows), kv_view
+                x, cos, sin, masks[self.config.sliding_windows[i]], cache.k[i], cache.v[i], (slot_idx, new_rows),
+                paths or kv_view,
             )
             if i in taps:
                 hidden[i] = x
