@@ -160,12 +160,13 @@ def test_equality_check_catches_a_broken_acceptor(tiny, monkeypatch):
                                                                                   "max": None, "n": 0}}
     assert rep["summary"]["ngram"]["drafted"] > 0
 
-    import verispec.engine as engine_mod
+    from verispec.verify.chain import ChainVerifier
 
-    def accept_everything(target_argmax, draft):  # broken: takes every draft token unchecked
-        return Verdict(list(draft) + [target_argmax[len(draft)]], len(draft))
+    def accept_everything(self, p, draft, gen):  # broken: takes every draft token unchecked
+        k = len(draft.tokens)
+        return Verdict(list(draft.tokens) + [int(p[k].argmax())], k, list(range(k)))
 
-    monkeypatch.setattr(engine_mod, "accept_greedy", accept_everything)
+    monkeypatch.setattr(ChainVerifier, "accept", accept_everything)
     traces = run_interleaved(methods, prompts, 12, rounds=1)
     rep = R.build(traces, methods, prompts, {}, env={"x": 1})
     assert "ngram" in rep["mismatches"] and "plain" not in rep["mismatches"]
@@ -311,7 +312,7 @@ def test_sampled_check_passes_and_catches_a_biased_acceptor(tiny, monkeypatch):
     """On the harness's subsample: plain and drafters pass; resampling from p instead of the
     residual after a rejection (the classic bug) fails, and --strict's rule sees it."""
     from verispec.bench.sampled import run_sampled_check
-    from verispec.verify import sample
+    from verispec.sampling import sample
 
     _, ours, prompts = tiny
     factories = {**FACTORIES, "layerskip:1": _layerskip}
@@ -325,16 +326,17 @@ def test_sampled_check_passes_and_catches_a_biased_acceptor(tiny, monkeypatch):
     assert all(c["passed"] and c["samples"] == 1500 and c["outcomes"] > 10 for c in good["checks"]), good["checks"]
     assert good["checks"][2]["acceptance_rate"] > 0.2
 
-    import verispec.engine as engine_mod
+    from verispec.verify.chain import ChainVerifier
 
-    def resample_from_p(p, draft, q, gen):
+    def resample_from_p(self, p, d, gen):
+        draft, q = d.tokens, d.q
         n = 0
         while n < len(draft) and float(torch.rand((), generator=gen)) * (1.0 if q is None else float(q[n, draft[n]])) \
                 < float(p[n, draft[n]]):
             n += 1
-        return Verdict(draft[:n] + [sample(p[n], gen)], n)
+        return Verdict(draft[:n] + [sample(p[n], gen)], n, list(range(n)))
 
-    monkeypatch.setattr(engine_mod, "accept_sampled", resample_from_p)
+    monkeypatch.setattr(ChainVerifier, "accept", resample_from_p)
     bad = {c["method"]: c for c in run()["checks"]}
     assert bad["plain"]["passed"] and not bad["layerskip:1"]["passed"], bad["layerskip:1"]
     rep = R.build([], [], prompts, {"model": "tiny", "dtype": "float32", "rounds": 1, "max_tokens": 1,

@@ -15,7 +15,7 @@ from verispec.drafters.eagle3 import (
 )
 from verispec.engine import Engine, EngineConfig
 from verispec.sequence import Sequence
-from verispec.verify import SamplingParams
+from verispec.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -212,7 +212,7 @@ def test_draft_q_lives_on_the_draft_vocab(llama):
     with torch.no_grad():
         out = target(torch.tensor([[5, 6, 7, 8]]), target.new_cache(1, 16), [0], torch.tensor([0]),
                      taps=d.target_taps)
-    d.observe(seq, 0, {i: out.hidden[i][0] for i in d.target_taps})
+    d.on_commit(seq, 0, {i: out.hidden[i][0] for i in d.target_taps})
     seq.tokens.append(9)
     (draft,) = d.propose([seq], [3])
     assert len(draft.tokens) == 3 and draft.q.shape == (3, 160)

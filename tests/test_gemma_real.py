@@ -8,7 +8,7 @@ import torch
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.engine import Engine, EngineConfig
 from verispec.models import hf_folder, load_model, load_tokenizer
-from verispec.verify import SamplingParams
+from verispec.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
 

@@ -10,7 +10,7 @@ import torch
 from conftest import FAMILIES, build_hf, ours_from_hf, random_ids
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.engine import Engine, EngineConfig
-from verispec.verify import SamplingParams
+from verispec.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -33,13 +33,15 @@ import time
 import pytest
 import torch
 
-import verispec.engine as engine_mod
+
 from conftest import build_hf, ours_from_hf
 from verispec.distcheck import NullTV, exact_distribution, null_counts, tv
 from verispec.drafters import ModelDrafter, NgramDrafter
 from verispec.engine import Engine, EngineConfig
 from verispec.sequence import SpecStats
-from verispec.verify import SamplingParams, Verdict, probs, sample
+from verispec.sampling import SamplingParams, probs, sample
+from verispec.verify import Verdict
+from verispec.verify.chain import ChainVerifier
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -264,17 +266,18 @@ def _accept_resample_from_p(p, draft, q, gen):
             n += 1
         else:
             break
-    return Verdict(draft[:n] + [sample(p[n], gen)], n) if n < k else Verdict(draft + [sample(p[k], gen)], k)
+    return Verdict(draft[:n] + [sample(p[n], gen)], n, list(range(n))) if n < k else \
+        Verdict(draft + [sample(p[k], gen)], k, list(range(k)))
 
 
 def _accept_everything(p, draft, q, gen):
     """WRONG on purpose: every draft token is accepted (the drafter's distribution leaks through)."""
-    return Verdict(list(draft) + [sample(p[len(draft)], gen)], len(draft))
+    return Verdict(list(draft) + [sample(p[len(draft)], gen)], len(draft), list(range(len(draft))))
 
 
 @pytest.mark.parametrize("biased", [_accept_resample_from_p, _accept_everything], ids=["resample_from_p", "accept_all"])
 def test_check_has_teeth(models, monkeypatch, biased):
-    monkeypatch.setattr(engine_mod, "accept_sampled", biased)
+    monkeypatch.setattr(ChainVerifier, "accept", lambda self, p, d, g: biased(p, d.tokens, d.q, g))
     (t, (thr, _, _)), _, stats = check(models, "draft", "plain", seed0=5_000_000)
     assert stats.drafted > 0
     assert t > thr, f"a biased acceptor passed the check (TV {t:.4f} <= threshold {thr:.4f}): the check has no teeth"

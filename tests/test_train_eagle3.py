@@ -18,7 +18,7 @@ from verispec.train.data import build_dataset, capture
 from verispec.train.dataset import HiddenStateData, collate
 from verispec.train.losses import eagle3_loss
 from verispec.train.trainer import TrainConfig, build_model, train
-from verispec.verify import SamplingParams
+from verispec.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
-from verispec.verify import SamplingParams, Verdict, accept_greedy, accept_sampled, probs
+from verispec.drafters import Draft
+from verispec.sampling import SamplingParams, probs
+from verispec.verify import CHAIN, Verdict
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -32,6 +34,16 @@ def random_dist(rows: int, seed: int, vocab: int = V) -> torch.Tensor:
     """Random strictly positive distributions [rows, vocab]."""
     g = gen(10_000 + seed)
     return (torch.randn(rows, vocab, generator=g) * 1.5).softmax(-1)
+
+
+def accept_sampled(p, draft, q, g) -> Verdict:
+    """The chain rule on processed target probabilities p [k + 1, V]."""
+    return CHAIN.accept(p, Draft(list(draft), q), g)
+
+
+def accept_greedy(target_argmax: list[int], draft: list[int]) -> Verdict:
+    """Greedy is the one-hot case: the same rule on one-hot target rows, whatever the draws."""
+    return accept_sampled(one_hot(target_argmax, max(target_argmax + draft) + 1), draft, None, gen(0))
 
 
 def nonzero(p: torch.Tensor) -> list[set[int]]:
@@ -316,11 +328,6 @@ def test_sampling_params_valid_edges():
     SamplingParams(top_p=1e-6)
 
 
-def test_verdict_fields():
-    v = Verdict([1, 2], 1)
-    assert v.tokens == [1, 2] and v.accepted == 1
-
-
 @pytest.mark.parametrize("top_k,top_p", [(None, 0.9), (None, 0.999), (50, 0.95), (None, 0.3)])
 def test_top_p_over_candidates_equals_the_full_sort(top_k, top_p):
     """Large vocabularies take top-p over the most likely candidates (growing them until they
@@ -342,7 +349,7 @@ def test_top_p_over_candidates_equals_the_full_sort(top_k, top_p):
 
 
 def test_inverse_cdf_sample_never_draws_a_zero_probability_token():
-    from verispec.verify import sample
+    from verispec.sampling import sample
 
     p = torch.zeros(262144)
     p[[5, 70000, 262143]] = torch.tensor([0.2, 0.3, 0.5])

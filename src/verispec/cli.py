@@ -97,7 +97,7 @@ def cmd_generate(args) -> int:
     from .engine import LLM
     from .kv import CacheFullError
     from .models import ModelLoadError
-    from .verify import SamplingParams
+    from .sampling import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

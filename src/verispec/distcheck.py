@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv import KV_BLOCK, round_up
-from .verify import SamplingParams, probs
+from .sampling import SamplingParams, probs
 
 
 @dataclass

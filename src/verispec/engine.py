@@ -1,10 +1,12 @@
 """The engine: requests in, tokens out, one speculative step at a time for the whole batch.
 
     step():  admit + prefill new requests   (KV slots permitting; the rest wait)
-             draft   -> drafter.propose(running, ks)
-             verify  -> ONE target forward over [last token, d_1..d_k] per request
-             accept  -> greedy match or lossless rejection sampling (verify.py)
-             commit  -> kv.commit(slot, 1 + accepted); rejected rows are simply left behind
+             plan    -> policy.budgets(running)       draft nodes per request (policy.py)
+             draft   -> drafter.propose(running, budgets)   a chain or a token tree each
+             verify  -> ONE target forward over [last token, draft nodes] per request
+             accept  -> verifier.verify(...)           lossless chain / tree rule (verify/)
+             commit  -> kv.compact(accepted path); kv.commit(slot, 1 + accepted);
+                        drafter.on_commit(...). Rejected rows are simply left behind.
 
 Requests may join and leave between steps; each has its own sampling parameters, generator and
 draft length, so a batch mixes greedy and sampled requests freely.
@@ -20,11 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters import Draft, Drafter, make_drafter
+from .drafters import Draft, Drafter, TreeShape, make_drafter
 from .kv import KV_BLOCK, CacheFullError, KVCache, round_up
 from .models import DEFAULT_MODEL, CausalLM, load_model, load_tokenizer
+from .models.paths import PathViews
+from .policy import DraftLengthPolicy, FixedDraftLength
+from .sampling import SamplingParams, probs, sample
 from .sequence import Sequence, SpecStats
-from .verify import SamplingParams, accept_greedy, accept_sampled, probs, sample
+from .verify import for_draft
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +42,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class EngineConfig:
     model: str = DEFAULT_MODEL
     drafter: str | None = "ngram"  # ngram | draft:<path> | layerskip:<N> | None
-    num_draft_tokens: int = 5
+    num_draft_tokens: int = 5  # draft nodes verified per step (a chain's length, a tree's node budget)
+    draft_tree: str = "chain"  # chain | dynamic[:W] | static:B1,B2,..  (drafters.TreeShape)
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_batch_size: int = 8  # KV slots: requests decoded at once (more wait in the queue)
@@ -53,6 +59,7 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
         if self.max_batch_size < 1 or self.max_model_len < 2:
             raise ValueError("max_batch_size must be >= 1 and max_model_len >= 2")
+        TreeShape.parse(self.draft_tree)  # refuse a bad shape up front
 
 
 @dataclass
@@ -95,9 +102,12 @@ class StepEvent:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, drafter: Drafter | None = None):
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig, drafter: Drafter | None = None,
+                 policy: DraftLengthPolicy | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.drafter = drafter
+        self.policy = policy or FixedDraftLength()
+        self.tree = TreeShape.parse(config.draft_tree)
         # Forwards are batch-invariant whenever that is (nearly) free — bf16/fp16 on CPU: GEMM rows
         # in blocks of at most 64 (rows that do not depend on the row count), attention over a key
         # length rounded up to the CPU kernel's 512-key block — so a token's bits do not depend on
@@ -125,7 +135,8 @@ class Engine:
             self.eos.add(tokenizer.eos_token_id)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int | None = None,
+                    tree: TreeShape | str | None = None) -> Sequence:
         """Queue a request; it waits (never dropped) until a KV slot is free."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -140,6 +151,7 @@ class Engine:
         seq = Sequence(self._ids, list(prompt_ids), params, gen)
         k = self.config.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         seq.num_draft_tokens = max(0, k) if self.drafter is not None else 0
+        seq.tree = TreeShape.parse(tree) if isinstance(tree, str) else (tree or self.tree)
         self._ids += 1
         self.waiting.append(seq)
         return seq
@@ -175,29 +187,33 @@ class Engine:
         return events
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
-        kcap = self.config.num_draft_tokens  # the KV slack is sized for it
-        ks = [max(0, min(s.num_draft_tokens, kcap, s.params.max_tokens - s.num_output - 1)) for s in seqs]
-        drafts = self._propose(seqs, ks)
+        drafts = self._propose(seqs, self.policy.budgets(seqs, self.config.num_draft_tokens))  # KV slack is sized for it
         width = 1 + max(len(d.tokens) for d in drafts)
         ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
-        starts = torch.tensor([self.cache.lengths[s.slot] for s in seqs])
+        starts = [self.cache.lengths[s.slot] for s in seqs]
+        depths = [[0] + d.depths() + [0] * (width - 1 - len(d.tokens)) for d in drafts]
+        positions = torch.tensor(starts)[:, None] + torch.tensor(depths)  # [B, width]: a node sits at its depth
         self.model.set_batch_invariant(self.invariant)
-        kv_len = round_up(int(starts.max()) + width, KV_BLOCK) if self.invariant else None
-        out = self.model(ids.to(self.model.device), self.cache, [s.slot for s in seqs], starts, taps=self._taps,
-                         kv_len=kv_len)
+        kv_len = round_up(max(starts) + width, KV_BLOCK) if self.invariant else None
+        paths = None
+        if any(d.parents is not None for d in drafts):  # trees: each path attends as plain decoding would
+            parents = [[p + 1 for p in d.parents] if d.parents is not None else list(range(len(d.tokens))) for d in drafts]
+            paths = PathViews.build([s.slot for s in seqs], starts, parents, width,
+                                    kv_len or max(starts) + width, self.model.device)
+        out = self.model(ids.to(self.model.device), self.cache, [s.slot for s in seqs], torch.tensor(starts),
+                         positions=positions.to(self.model.device), taps=self._taps, kv_len=kv_len, paths=paths)
         logits = out.logits  # [B, width, V]
-        greedy_next = logits.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else None
         events = []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
-            k = len(d.tokens)
-            if s.params.greedy:
-                v = accept_greedy(greedy_next[b][: k + 1], d.tokens)
-            else:
-                v = accept_sampled(probs(logits[b, : k + 1], s.params), d.tokens, d.q, s.generator)
-            s.stats.record(k, v.accepted, len(v.tokens))
-            self.cache.commit(s.slot, 1 + v.accepted)
-            self._observe(s, out, b, int(starts[b]), 1 + v.accepted)
-            events.append(self._emit(s, v.tokens, logits[b, : len(v.tokens)]))
+            n = len(d.tokens)
+            v = for_draft(d).verify(logits[b, : n + 1], d, s.params, s.generator)
+            s.stats.record(n, v.accepted, len(v.tokens), depth=d.depth)
+            rows = [0] + [i + 1 for i in v.path]  # window rows kept: the root, then the accepted path
+            if rows != list(range(len(rows))):
+                self.cache.compact(s.slot, starts[b], torch.tensor(rows))
+            self.cache.commit(s.slot, len(rows))
+            self._on_commit(s, out, b, starts[b], rows)
+            events.append(self._emit(s, v.tokens, logits[b, rows]))
         return events
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -218,7 +234,7 @@ class Engine:
                     self.drafter_errors += 1
                     s.num_draft_tokens = 0
                     drafts.append(Draft([]))
-        return [Draft(d.tokens[:k], None if d.q is None else d.q[:k]) for d, k in zip(drafts, ks)]
+        return [d.truncate(k) for d, k in zip(drafts, ks)]
 
     def _prefill_step(self) -> list[StepEvent]:
         """Feed prompt chunks, at most `prefill_chunk` tokens in all per step, so a long prompt
@@ -240,7 +256,7 @@ class Engine:
                 kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.invariant else None,
             )
             self.cache.commit(seq.slot, len(chunk_ids))
-            self._observe(seq, out, 0, done_rows, len(chunk_ids))
+            self._on_commit(seq, out, 0, done_rows, range(len(chunk_ids)))
             budget -= len(chunk_ids)
             if last:
                 # requests with the same prompt, admitted but not started, take a copy of its rows
@@ -250,7 +266,7 @@ class Engine:
                 for s in [seq, *twins]:
                     if s is not seq:
                         self.cache.share_prefix(seq.slot, s.slot, len(chunk_ids))
-                        self._observe(s, out, 0, 0, len(chunk_ids))
+                        self._on_commit(s, out, 0, 0, range(len(chunk_ids)))
                     events.append(self._first_token(s, out.logits[0]))
         return events
 
@@ -258,22 +274,25 @@ class Engine:
         """The prompt is in the cache: sample token 1 from the last prompt row's logits [1, V]."""
         self.prefilling.remove(seq)
         self.running.append(seq)
-        p = seq.params
-        first = int(logits[0].argmax()) if p.greedy else sample(probs(logits, p)[0], seq.generator)
+        first = sample(probs(logits, seq.params)[0], seq.generator)
         return self._emit(seq, [first], logits)
 
     @property
     def _taps(self) -> tuple[int, ...]:
         return tuple(t for t in self.drafter.target_taps if t >= 0) if self.drafter else ()
 
-    def _observe(self, seq: Sequence, out, b: int, start: int, n: int) -> None:
-        """Hand the drafter the target hidden states of the n rows just committed for seq."""
-        if self.drafter is None or not self.drafter.target_taps or seq.finished:
+    def _on_commit(self, seq: Sequence, out, b: int, start: int, rows) -> None:
+        """Hand the drafter the target hidden states of the rows just committed for seq (forward
+        rows `rows` of batch entry b, now cache rows start, start + 1, ...)."""
+        if self.drafter is None or seq.finished:
             return
-        hidden = {i: h[b, :n] for i, h in out.hidden.items()}
-        if -1 in self.drafter.target_taps:
-            hidden[-1] = out.last_hidden[b, :n]
-        self.drafter.observe(seq, start, hidden)
+        hidden = {}
+        if self.drafter.target_taps:
+            idx = torch.as_tensor(list(rows), device=out.last_hidden.device)
+            hidden = {i: h[b, idx] for i, h in out.hidden.items()}
+            if -1 in self.drafter.target_taps:
+                hidden[-1] = out.last_hidden[b, idx]
+        self.drafter.on_commit(seq, start, hidden)
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> StepEvent:
         """Append emitted tokens up to a stop condition (finishing the sequence if one is met).
@@ -330,6 +349,7 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         speculative: bool = True,
         num_draft_tokens: int | None = None,
+        tree: str | None = None,
     ) -> GenerateResult:
         """Run the prompts to completion as one continuously batched workload."""
         if isinstance(prompts, str):
@@ -339,7 +359,7 @@ class LLM:
         k = 0 if not speculative else num_draft_tokens
         eng = self.engine
         t0 = time.perf_counter()
-        seqs = [eng.add_request(self.encode(p), sp, k) for p, sp in zip(prompts, plist)]
+        seqs = [eng.add_request(self.encode(p), sp, k, tree) for p, sp in zip(prompts, plist)]
         while eng.has_work:
             eng.step()
         seconds = time.perf_counter() - t0

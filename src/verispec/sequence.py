@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .verify import SamplingParams
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -22,21 +22,25 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)  # per position: accepted there
     reached_at: list[int] = field(default_factory=list)  # per position: verified with all before it accepted
 
-    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
+        """One verify step: `num_drafted` draft nodes (a tree's node count), of which `num_accepted`
+        were accepted along one path, `num_emitted` tokens emitted. Per-position counts run over
+        the `depth` positions of the draft (a chain: num_drafted)."""
         self.forwards += 1
         self.emitted += num_emitted
         if num_drafted:
             self.drafts += 1
             self.drafted += num_drafted
             self.accepted += num_accepted
-            grow = num_drafted - len(self.drafted_at)
+            positions = num_drafted if depth is None else depth
+            grow = positions - len(self.drafted_at)
             if grow > 0:
                 self.drafted_at += [0] * grow
                 self.accepted_at += [0] * grow
                 self.reached_at += [0] * grow
-            for i in range(num_drafted):
+            for i in range(positions):
                 self.drafted_at[i] += 1
-            for i in range(min(num_accepted + 1, num_drafted)):
+            for i in range(min(num_accepted + 1, positions)):
                 self.reached_at[i] += 1
             for i in range(num_accepted):
                 self.accepted_at[i] += 1
@@ -93,7 +97,8 @@ class Sequence:
     finish_reason: str | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_state: object = None  # owned by the drafter
-    num_draft_tokens: int = 0  # this request's draft length (0: no speculation)
+    num_draft_tokens: int = 0  # this request's draft budget in nodes (0: no speculation)
+    tree: object = None  # this request's drafters.TreeShape (None: a chain)
     logprobs: list = field(default_factory=list)  # per output token: (token, logprob, {top token: logprob})
 
     def __post_init__(self):

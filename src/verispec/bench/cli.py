@@ -244,7 +244,7 @@ def _peers(args, max_len: int, ignore_eos: bool, notes: list[str], log) -> list:
 def _fill_second_turns(prompts, target, tok, model_type, args, longest: int) -> None:
     """Answer each turn-1 question with plain greedy decoding (untimed) and build the turn-2 prompts."""
     from ..engine import Engine
-    from ..verify import SamplingParams
+    from ..sampling import SamplingParams
     from . import prompts as P
     from .runner import engine_config
 

@@ -15,7 +15,7 @@ from typing import Callable
 from ..drafters import make_drafter
 from ..engine import DTYPES, Engine, EngineConfig
 from ..sequence import SpecStats
-from ..verify import SamplingParams
+from ..sampling import SamplingParams
 from .metrics import Trace, spec_fields
 from .prompts import Prompt
 

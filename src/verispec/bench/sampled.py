@@ -20,7 +20,7 @@ import dataclasses
 from typing import Callable
 
 from ..distcheck import ExactDistribution, check_samples, exact_distribution
-from ..verify import SamplingParams
+from ..sampling import SamplingParams
 from .prompts import Prompt
 from .runner import build_engine, engine_config
 

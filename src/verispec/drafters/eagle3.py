@@ -34,8 +34,8 @@ from torch import nn
 
 from ..models.model import linear
 from ..sequence import Sequence
-from ..verify import probs, sample
-from .base import Draft, Drafter
+from ..sampling import probs, sample
+from .base import Draft, DrafterBase, register
 
 ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -507,7 +507,7 @@ class _State:
     n_real: int = 0  # draft KV rows built from target states (row i: g_i + x_{i+1})
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(DrafterBase):
     """Chain drafting with an EAGLE-3 head and its own small KV cache (one slot per sequence)."""
 
     def __init__(self, model: Eagle3Model, target, max_batch: int, max_len: int, name: str = "eagle3"):
@@ -530,7 +530,7 @@ class Eagle3Drafter(Drafter):
         return seq.drafter_state
 
     @torch.inference_mode()
-    def observe(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor]) -> None:
+    def on_commit(self, seq: Sequence, start: int, hidden: dict[int, torch.Tensor]) -> None:
         st = self._state(seq)
         aux = torch.cat([hidden[i] for i in self.target_taps], -1)  # [n, 3H]
         n = aux.shape[0]
@@ -644,6 +644,14 @@ def is_eagle3_dir(path: str) -> bool:
         return json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
     except (OSError, json.JSONDecodeError):
         return False
+
+
+@register("eagle3", "eagle3:DIR (or a bare DIR)", "an EAGLE-3 head in the speculators format", detect=lambda p: is_eagle3_dir(p))
+def _make(arg: str, ctx) -> "Eagle3Drafter":
+    try:
+        return make_eagle3_drafter(arg, ctx.target, ctx.max_batch, ctx.max_len, ctx.dtype, ctx.device)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e
 
 
 def make_eagle3_drafter(path: str, target, max_batch: int, max_len: int, dtype: torch.dtype, device) -> Eagle3Drafter:

@@ -18,8 +18,8 @@ import torch
 
 from ..models import CausalLM
 from ..sequence import Sequence
-from ..verify import probs, sample
-from .base import Draft, Drafter
+from ..sampling import probs, sample
+from .base import Draft, DrafterBase, register
 
 
 @dataclass
@@ -28,9 +28,36 @@ class _State:
     cached: list[int] = field(default_factory=list)  # tokens whose KV rows the draft cache holds
 
 
-class ModelDrafter(Drafter):
+@register("layerskip", "layerskip:N", "the target's first N layers + final norm + LM head (self-drafting)")
+def _layerskip(arg: str, ctx) -> "ModelDrafter":
+    L = ctx.target.config.num_layers
+    try:
+        n = int(arg)
+    except ValueError:
+        raise ValueError(f"layerskip needs a layer count between 1 and {L - 1}, e.g. layerskip:6, got {arg!r}") from None
+    if not 1 <= n < L:
+        raise ValueError(f"layerskip needs a layer count between 1 and {L - 1} (the target has {L} layers), got {n}")
+    return ModelDrafter(ctx.target, ctx.max_batch, ctx.max_len, num_layers=n, name=f"layerskip:{n}")
+
+
+@register("draft", "draft:PATH", "an independent smaller model with the target's tokenizer (folder or .gguf)")
+def _draft_model(arg: str, ctx) -> "ModelDrafter":
+    from ..models import load_model
+
+    if not arg:
+        raise ValueError("draft needs a model path, e.g. draft:/models/small")
+    model = load_model(arg, ctx.dtype, ctx.device)
+    if model.config.vocab_size != ctx.target.config.vocab_size:
+        raise ValueError(
+            f"draft model vocabulary ({model.config.vocab_size}) differs from the target's "
+            f"({ctx.target.config.vocab_size}); a draft model must share the target's tokenizer"
+        )
+    return ModelDrafter(model, ctx.max_batch, ctx.max_len, name=f"draft:{arg}")
+
+
+class ModelDrafter(DrafterBase):
     def __init__(self, model: CausalLM, max_batch: int, max_len: int, num_layers: int | None = None, name: str = "draft-model"):
-        n = num_layers or model.config.num_layers
+        n = model.config.num_layers if num_layers is None else num_layers
         if not 1 <= n <= model.config.num_layers:
             raise ValueError(f"layer-skip needs 1 <= layers <= {model.config.num_layers}, got {n}")
         self.model, self.num_layers, self.name = model, n, name

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .eagle3 import CheckpointError, Eagle3Config, Eagle3Drafter, Eagle3Model, RMSNorm, _Layer, _lin
+from .base import register
 
 
 class MTPModel(Eagle3Model):
@@ -124,3 +125,12 @@ def load_mtp(path, target=None, dtype: torch.dtype = torch.float32) -> MTPModel:
 def make_mtp_drafter(path: str, target, max_batch: int, max_len: int, dtype, device) -> Eagle3Drafter:
     model = load_mtp(path, target, dtype=target.dtype).to(device)
     return Eagle3Drafter(model, target, max_batch, max_len, name=f"mtp:{path}")
+
+
+@register("mtp", "mtp:DIR (or a bare DIR)", "a DeepSeek-style MTP head trained by `verispec train --method mtp`",
+          detect=lambda p: is_mtp_dir(p))
+def _make(arg: str, ctx) -> Eagle3Drafter:
+    try:
+        return make_mtp_drafter(arg, ctx.target, ctx.max_batch, ctx.max_len, ctx.dtype, ctx.device)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e

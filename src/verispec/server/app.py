@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import format_chat
 from ..engine import Engine
-from ..verify import SamplingParams
+from ..sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import ChatRequest, CompletionRequest, error_body
 from .text import TextStream

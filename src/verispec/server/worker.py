@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..engine import Engine
 from ..sequence import Sequence
-from ..verify import SamplingParams
+from ..sampling import SamplingParams
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)

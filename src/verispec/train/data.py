@@ -179,7 +179,7 @@ def build_dataset(
 
     from ..drafters import make_drafter
     from ..engine import Engine, EngineConfig
-    from ..verify import SamplingParams
+    from ..sampling import SamplingParams
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

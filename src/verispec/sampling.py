@@ -1,16 +1,9 @@
-"""Verification: logits -> probabilities, and the lossless acceptance rule for a chain of drafts.
+"""Sampling in one place: a request's parameters, logits -> processed probabilities, one draw.
 
-Glossary (per request, one step):
-- draft tokens   d_1..d_k proposed by the drafter, with draft probabilities q_i (or none: one-hot q);
-- target probs   p_0..p_k from ONE target forward over [last token, d_1..d_k]; p_i is the target's
-                 distribution for the token after d_i (p_0: after the last committed token);
-- accepted       the longest prefix d_1..d_n that passes the test (greedy: d_i == argmax p_{i-1};
-                 sampled: u_i < p_{i-1}(d_i) / q_i(d_i), u_i ~ U(0, 1));
-- recovered      on the first rejection, a token drawn from norm(max(0, p - q)) (the residual),
-                 which makes the emitted token distributed exactly as p;
-- bonus          when all k drafts are accepted, one more token drawn from p_k.
-Each step emits accepted + 1 tokens. Temperature, top-k and top-p are applied identically to the
-target and the draft logits (`probs`), so both p and q are the processed distributions.
+Greedy decoding is the one-hot case of `probs` (the only place that tells greedy from sampled):
+the verifiers and drafters treat every request as sampling from a distribution, and a point mass
+always yields its argmax. Temperature, top-k and top-p are applied identically to the target and
+the draft logits, so both p and q are the processed distributions.
 """
 
 from __future__ import annotations
@@ -93,52 +86,10 @@ def sample(p: torch.Tensor, gen: torch.Generator) -> int:
     """One token from probabilities p [V] (need not sum to 1), drawn with the request's generator:
     the inverse of the running total at one uniform draw (a multinomial over a 262k vocabulary
     costs more than a small model's forward). Only tokens with p > 0 can be drawn: the total
-    rises only at them."""
+    rises only at them. A point mass (greedy) is its argmax, with no draw."""
+    if int(torch.count_nonzero(p)) == 1:
+        return int(p.argmax())
     c = p.double().cumsum(0)
     u = torch.rand((), generator=gen, dtype=torch.float64, device=p.device) * c[-1]
     i = int(torch.searchsorted(c, u, right=True))
     return i if i < p.shape[0] else int(p.nonzero()[-1])  # u * total rounded up to the total
-
-
-@dataclass
-class Verdict:
-    tokens: list[int]  # emitted this step: accepted drafts, then the recovered or bonus token
-    accepted: int  # number of draft tokens accepted
-
-
-def accept_greedy(target_argmax: list[int], draft: list[int]) -> Verdict:
-    """target_argmax: argmax of p_0..p_k (k + 1 ints); draft: d_1..d_k."""
-    n = 0
-    while n < len(draft) and draft[n] == target_argmax[n]:
-        n += 1
-    return Verdict(draft[:n] + [target_argmax[n]], n)
-
-
-def accept_sampled(
-    p: torch.Tensor,  # [k + 1, V] processed target probabilities
-    draft: list[int],  # k draft tokens
-    q: torch.Tensor | None,  # [k, V] processed draft probabilities; None = one-hot (deterministic drafter)
-    gen: torch.Generator,
-) -> Verdict:
-    k = len(draft)
-    if k:
-        idx = torch.arange(k, device=p.device)
-        d = torch.tensor(draft, device=p.device)
-        p_d = p[idx, d]  # [k]
-        q_d = q[idx, d] if q is not None else torch.ones_like(p_d)
-        u = torch.rand(k, generator=gen, device=p.device)
-        ok = (u * q_d < p_d).tolist()  # u < p/q without dividing by zero
-        n = ok.index(False) if False in ok else k
-    else:
-        n = 0
-    if n == k:
-        return Verdict(draft + [sample(p[k], gen)], k)
-    if q is None:
-        residual = p[n].clone()
-        residual[draft[n]] = 0.0
-    else:
-        residual = (p[n] - q[n]).clamp_min(0.0)
-    total = residual.sum()
-    if total <= 0:  # p == q on the support: the rejection had probability 0; fall back to p
-        residual = p[n]
-    return Verdict(draft[:n] + [sample(residual, gen)], n)
