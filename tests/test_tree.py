@@ -268,7 +268,7 @@ def test_tree_sampling_is_distributed_as_the_target(models, kind, setting):
     drafter = {"wor": SiblingTreeDrafter(), "iid": SiblingTreeDrafter(iid=True), "ngram": NgramDrafter()}[kind]
     t, thr, stats = _check(target, hf, drafter, sp, seed0=7_000_000 + 100_000 * TREE_CASES.index((kind, setting)))
     print(f"\n[tree {kind}/{setting}] TV={t:.4f} threshold={thr:.4f} acceptance {stats.acceptance_rate:.3f} tau {stats.tau:.3f}")
-    assert stats.drafted > stats.forwards and 0 < stats.accepted
+    assert stats.drafted > (stats.forwards if kind != "ngram" else N) and 0 < stats.accepted
     assert t < thr, f"TV {t:.4f} >= threshold {thr:.4f}: tree verification is not distributed as the target"
 
 

@@ -26,12 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding for Hugging Face LLMs.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate continuations of prompts, with speculation")
+    from .cli_help import DRAFTER_HELP, TREE_HELP, HelpFormatter
+
+    g = sub.add_parser("generate", help="generate continuations of prompts, with speculation", formatter_class=HelpFormatter)
     g.add_argument("prompts", nargs="*", help="prompt text(s); several prompts run as one batch")
     g.add_argument("--prompts-file", help="a file with one prompt per line (or a .jsonl with a 'prompt' field)")
     g.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf file, or 'gemma3-270m' (default)")
-    g.add_argument("--drafter", default="ngram", help="ngram[:N] | layerskip:N | draft:PATH | none (default ngram)")
-    g.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="draft tokens verified per step (default 5)")
+    g.add_argument("--drafter", default="ngram", help=DRAFTER_HELP)
+    g.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="draft tokens (tree: nodes) verified per step")
+    g.add_argument("--tree", default="chain", help=TREE_HELP)
     g.add_argument("--max-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None)
@@ -106,7 +109,7 @@ def cmd_generate(args) -> int:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         drafter = None if args.drafter in ("none", "") else args.drafter
-        llm = LLM(args.model, drafter=drafter, num_draft_tokens=args.num_draft_tokens, dtype=args.dtype,
+        llm = LLM(args.model, drafter=drafter, num_draft_tokens=args.num_draft_tokens, draft_tree=args.tree, dtype=args.dtype,
                   device=args.device, max_model_len=args.max_model_len, exact=args.exact)
         ids = [llm.encode(p) for p in prompts]
         for p, i in zip(prompts, ids):
@@ -120,7 +123,8 @@ def cmd_generate(args) -> int:
         raise UserError(str(e)) from e
 
     report = {
-        "model": args.model, "drafter": drafter, "num_draft_tokens": args.num_draft_tokens, "dtype": args.dtype,
+        "model": args.model, "drafter": drafter, "num_draft_tokens": args.num_draft_tokens, "tree": args.tree,
+        "dtype": args.dtype,
         "exact": args.exact, "sampling": sp.__dict__,
         "outputs": [o.to_dict() for o in spec.outputs],
         "stats": {**spec.stats.to_dict(), "tokens": spec.num_tokens, "seconds": round(spec.seconds, 3),
@@ -139,7 +143,7 @@ def cmd_generate(args) -> int:
         print(f"--- prompt: {p!r}")
         print(o.text)
     s = report["stats"]
-    print(f"\n[{drafter or 'no drafter'}, k={args.num_draft_tokens}, {args.dtype}] {s['tokens']} tokens in "
+    print(f"\n[{drafter or 'no drafter'}, k={args.num_draft_tokens}, {args.tree}, {args.dtype}] {s['tokens']} tokens in "
           f"{s['seconds']} s = {s['tokens_per_second']} tok/s | tau {s['tau']} tokens/forward | "
           f"acceptance {s['acceptance_rate']:.1%} | per position {s['acceptance_per_position_conditional']}")
     if plain is not None:

@@ -26,14 +26,18 @@ def _list(s: str) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmark drafters against plain decoding and peers on standard prompt sets",
+    from ..cli_help import HelpFormatter
+
+    b = sub.add_parser("bench", formatter_class=HelpFormatter, help="benchmark drafters against plain decoding and peers on standard prompt sets",
                        description="Runs plain decoding and every drafter on the same prompts (interleaved per "
                                    "prompt, order rotated), checks greedy outputs equal plain decoding token for "
                                    "token, and prints speed, tau and acceptance; --report DIR writes JSON, Markdown "
                                    "and PNG plots.")
     b.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf file, or 'gemma3-270m' (default)")
     b.add_argument("--drafters", type=_list, default=["ngram"],
-                   help="comma-separated drafter specs: ngram[:N], layerskip:N, draft:PATH (plain always runs)")
+                   help="comma-separated methods DRAFTER[@tree=SHAPE][@k=N] (plain always runs); DRAFTER is "
+                        "{drafters}; SHAPE: chain, dynamic[:W] or static:B1,B2,..; N: draft nodes per step (-k "
+                        "by default)")
     b.add_argument("--datasets", type=_list, default=["mtbench", "humaneval"],
                    help="comma-separated: mtbench, humaneval, sharegpt (default mtbench,humaneval)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts (questions) of each dataset")

@@ -37,9 +37,25 @@ class Method:
 
 # ---- verispec ------------------------------------------------------------------------------
 def engine_config(model: str, drafter: str | None, k: int, dtype: str, exact: bool, max_batch: int,
-                  max_model_len: int, device: str = "cpu") -> EngineConfig:
+                  max_model_len: int, device: str = "cpu", tree: str = "chain") -> EngineConfig:
     return EngineConfig(model=model, drafter=drafter, num_draft_tokens=k if drafter else 0, dtype=dtype, device=device,
-                        max_batch_size=max_batch, max_model_len=max_model_len, exact=exact)
+                        max_batch_size=max_batch, max_model_len=max_model_len, exact=exact, draft_tree=tree)
+
+
+def parse_method_spec(spec: str, k: int) -> tuple[str, str, int]:
+    """'DRAFTER[@tree=SHAPE][@k=N]' -> (drafter spec, tree shape, draft budget); e.g.
+    'ngram@tree=dynamic@k=16' is the n-gram trie with a 16-node budget."""
+    drafter, *opts = spec.split("@")
+    tree = "chain"
+    for o in opts:
+        key, _, val = o.partition("=")
+        if key == "tree":
+            tree = val
+        elif key == "k" and val.isdigit() and int(val) >= 1:
+            k = int(val)
+        else:
+            raise ValueError(f"bad method option {o!r} in {spec!r}: use @tree=SHAPE and @k=N")
+    return drafter, tree, k
 
 
 def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None) -> Engine:
@@ -88,11 +104,12 @@ def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int,
         for spec in [None, *drafters]:
             if exact and spec is not None and exact_drafters is not None and spec not in exact_drafters:
                 continue
-            cfg = engine_config(model, spec, k, dtype, exact, 1, max_model_len)
-            factory = (factories or {}).get(spec)
+            drafter, tree, kk = parse_method_spec(spec, k) if spec else (None, "chain", k)
+            cfg = engine_config(model, drafter, kk, dtype, exact, 1, max_model_len, tree=tree)
+            factory = (factories or {}).get(drafter)
             eng = build_engine(target, tokenizer, cfg, factory)
             name = f"{spec}{tag}" if spec else plain
-            conf = {"engine": "verispec", "drafter": spec, "num_draft_tokens": cfg.num_draft_tokens, "dtype": dtype,
+            conf = {"engine": "verispec", "drafter": drafter, "tree": tree, "num_draft_tokens": cfg.num_draft_tokens, "dtype": dtype,
                     "exact": exact, "max_model_len": max_model_len, "max_batch_size": 1}
             out.append(Method(name, "verispec", plain, engine_runner(eng, ignore_eos), conf))
     return out

@@ -22,7 +22,7 @@ from typing import Callable
 from ..distcheck import ExactDistribution, check_samples, exact_distribution
 from ..sampling import SamplingParams
 from .prompts import Prompt
-from .runner import build_engine, engine_config
+from .runner import build_engine, engine_config, parse_method_spec
 
 SETTINGS = SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.95, ignore_eos=True)
 MAX_BATCH = 64
@@ -54,9 +54,10 @@ def run_sampled_check(target, tokenizer, model: str, drafters: list[str], k: int
             chosen.append((p, exact))
     checks = []
     for spec in [None, *drafters]:
-        cfg = dataclasses.replace(engine_config(model, spec, k, dtype, False, min(n, MAX_BATCH), max_model_len),
+        drafter, tree, kk = parse_method_spec(spec, k) if spec else (None, "chain", k)
+        cfg = dataclasses.replace(engine_config(model, drafter, kk, dtype, False, min(n, MAX_BATCH), max_model_len, tree=tree),
                                   prefill_chunk=4096)
-        eng = build_engine(target, tokenizer, cfg, (factories or {}).get(spec))
+        eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter))
         for p, exact in chosen:
             seqs = [eng.add_request(p.ids, dataclasses.replace(settings, seed=seed + i)) for i in range(n)]
             while eng.has_work:

@@ -182,3 +182,4 @@ def make_drafter(spec: str, target, max_batch: int, max_len: int, dtype: torch.d
 def drafter_help() -> str:
     """One line per registered drafter, for --drafter help texts."""
     return "; ".join(f"{e.usage}: {e.help}" for e in REGISTRY.values()) + "; none: no speculation"
+
