@@ -308,3 +308,41 @@ def test_tree_check_has_teeth(models, monkeypatch, control):
     t, thr, stats = _check(target, hf, drafter, PLAIN, seed0=9_000_000)
     assert stats.drafted > 0
     assert t > thr, f"a wrong tree verifier passed the check (TV {t:.4f} <= threshold {thr:.4f})"
+
+
+# --------------------------------------------------------------------------------------------
+# model drafters: EAGLE-2 dynamic trees and static shapes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tree", ["dynamic:3", "static:3,2,1"])
+def test_greedy_model_drafter_tree_equals_plain(family, tree):
+    from test_greedy_lossless import noisy_copy
+    from verispec.drafters import ModelDrafter
+
+    hf = build_hf(family)
+    target = ours_from_hf(hf)
+    prompts = prompts_for(hf.config.vocab_size)
+    plain, _ = run(target, "chain", prompts, k=0)
+    for drafter in (ModelDrafter(noisy_copy(target), 3, 96 + 9), ModelDrafter(target, 3, 96 + 9, num_layers=1)):
+        batched, seqs = run(target, tree, prompts, drafter=drafter)
+        assert batched == plain
+        assert sum(s.stats.accepted for s in seqs) > 0
+        assert all(s.stats.drafted > s.stats.forwards for s in seqs)  # several nodes per step
+
+
+def test_model_drafter_tree_is_the_best_first_expansion():
+    """The dynamic tree keeps the highest cumulative-probability nodes, so with the target drafting
+    for itself (a perfect drafter) the greedy path is in every tree down to its deepest level:
+    every drafted position is accepted."""
+    from verispec.drafters import ModelDrafter
+
+    hf = build_hf("llama")
+    target = ours_from_hf(hf)
+    prompts = prompts_for(hf.config.vocab_size)
+    plain, _ = run(target, "chain", prompts, k=0)
+    out, seqs = run(target, "dynamic:2", prompts, k=6, drafter=ModelDrafter(target, 3, 96 + 7))
+    assert out == plain
+    for s in seqs:
+        assert s.stats.accepted_at == s.stats.drafted_at and len(s.stats.drafted_at) >= 2
+        assert s.stats.drafted > s.stats.accepted  # more nodes than the path: a real tree

@@ -18,8 +18,12 @@ import torch
 
 from ..models import CausalLM
 from ..sequence import Sequence
-from ..sampling import probs, sample
-from .base import Draft, DrafterBase, register
+from ..models.paths import PathViews
+from . import expand
+from .base import CHAIN, Draft, DrafterBase, register
+
+
+TREE_SCRATCH = 128  # KV rows past a sequence's end for the nodes a dynamic tree runs (width x depth)
 
 
 @dataclass
@@ -61,7 +65,7 @@ class ModelDrafter(DrafterBase):
         if not 1 <= n <= model.config.num_layers:
             raise ValueError(f"layer-skip needs 1 <= layers <= {model.config.num_layers}, got {n}")
         self.model, self.num_layers, self.name = model, n, name
-        self.cache = model.new_cache(max_batch, max_len, n)
+        self.cache = model.new_cache(max_batch, max_len + TREE_SCRATCH, n)
 
     def _state(self, seq: Sequence) -> _State:
         if seq.drafter_state is None:
@@ -99,32 +103,69 @@ class ModelDrafter(DrafterBase):
         for st, f in zip(states, feeds):
             self.cache.commit(st.slot, len(f))
             st.cached += f
-        # 2. draft one token at a time
-        toks = [[] for _ in run]
-        qs = [[] for _ in run]
-        for j in range(kmax):
-            nxt = []
-            for b, s in enumerate(run):
-                if s.params.greedy:
-                    t = int(last[b].argmax())
-                else:
-                    q = probs(last[b : b + 1], s.params)[0]
-                    t = sample(q, s.generator) if j < ks[idx[b]] else 0
-                    qs[b].append(q)
-                nxt.append(t)
-                if j < ks[idx[b]]:
-                    toks[b].append(t)
-            if j == kmax - 1:
-                break
-            last = self._forward(torch.tensor(nxt, device=self.model.device)[:, None], states)[:, 0]
-            for b, st in enumerate(states):
-                if j + 1 < ks[idx[b]]:  # that token's row is kept only if the draft goes on
-                    self.cache.commit(st.slot, 1)
-                    st.cached.append(nxt[b])
+        # 2. chains or trees, one drafter forward per depth (expand.py decides which nodes run)
+        chain = all((s.tree or CHAIN).is_chain for s in run)
+        out = expand.draft(run, [ks[i] for i in idx], last, self._chain_step(states) if chain else self._tree_step(states))
         for b, i in enumerate(idx):
-            q = torch.stack(qs[b][: ks[i]]) if qs[b] else None
-            drafts[i] = Draft(toks[b], q)
+            drafts[i] = out[b]
         return drafts
+
+    def _chain_step(self, states):
+        """Run each chain's newest token and keep its row (the next step's catch-up keeps what
+        the target accepted and rolls back the rest)."""
+
+        def step(run, nodes):
+            live = [b for b, r in enumerate(run) if r]
+            ids = torch.tensor([[nodes[b][run[b][0]].token] for b in live], device=self.model.device)
+            logits = self._forward(ids, [states[b] for b in live])[:, 0]
+            out = [None] * len(run)
+            for j, b in enumerate(live):
+                self.cache.commit(states[b].slot, 1)
+                states[b].cached.append(nodes[b][run[b][0]].token)
+                out[b] = logits[j : j + 1]
+            return out
+
+        return step
+
+    def _tree_step(self, states):
+        """Run tree nodes in scratch rows past the committed ones: each attends the committed rows
+        and its own ancestors (one path view per node); nothing is committed."""
+        used = [0] * len(states)  # scratch rows taken per sequence
+        row_of: list[dict[int, int]] = [{} for _ in states]
+        dev = self.model.device
+
+        def step(run, nodes):
+            live = [b for b, r in enumerate(run) if r]
+            T = max(len(run[b]) for b in live)
+            slots, views, queries, ids, pos, starts = [], [], [], [], [], []
+            for j, b in enumerate(live):
+                st, L = states[b], self.cache.lengths[states[b].slot]
+                if L + used[b] + len(run[b]) > self.cache.max_len:
+                    raise RuntimeError(f"draft tree needs more than the {self.cache.max_len} KV rows of the drafter")
+                starts.append(L + used[b])
+                for t, i in enumerate(run[b]):
+                    row_of[b][i] = L + used[b] + t
+                    path, a = [], i
+                    while a >= 0:
+                        path.append(row_of[b][a])
+                        a = nodes[b][a].parent
+                    slots.append(st.slot)
+                    views.append(list(range(L)) + path[::-1])
+                    queries.append(j * T + t)
+                ids.append([nodes[b][i].token for i in run[b]] + [0] * (T - len(run[b])))
+                pos.append([L + nodes[b][i].depth - 1 for i in run[b]] + [L] * (T - len(run[b])))
+                used[b] += len(run[b])
+            Lk = max(len(v) for v in views)
+            paths = PathViews.per_query(slots, views, queries, Lk, dev)
+            logits = self.model(torch.tensor(ids, device=dev), self.cache, [states[b].slot for b in live],
+                                torch.tensor(starts), positions=torch.tensor(pos, device=dev), paths=paths,
+                                num_layers=self.num_layers, kv_len=Lk).logits  # [live, T, V]
+            out = [None] * len(run)
+            for j, b in enumerate(live):
+                out[b] = logits[j, : len(run[b])]
+            return out
+
+        return step
 
     def _forward(self, ids, states, logit_rows=None):
         slots = [st.slot for st in states]

@@ -66,6 +66,16 @@ class PathViews:
         t = lambda x, **kw: torch.tensor(x, device=device, **kw)  # noqa: E731
         return cls(t(views_slot), t(views_rows), t(views_q), t(real, dtype=torch.bool), t(views_pos))
 
+    @classmethod
+    def per_query(cls, slots: list[int], rows: list[list[int]], queries: list[int], Lk: int, device) -> "PathViews":
+        """One view per query (drafters expanding a tree): query i (flat index queries[i]) attends
+        the cache rows rows[i] of slot slots[i], the last of which is its own; its RoPE position
+        is len(rows[i]) - 1."""
+        t = lambda x, **kw: torch.tensor(x, device=device, **kw)  # noqa: E731
+        pos = [[len(r) - 1] for r in rows]
+        padded = [r + [r[-1]] * (Lk - len(r)) for r in rows]
+        return cls(t(slots), t(padded), t([[q] for q in queries]), t([[True]] * len(rows), dtype=torch.bool), t(pos))
+
     def masks(self, sliding_windows) -> dict:
         """{window: [P, 1, Tq, Lk] bool}: view row j is at RoPE position j, so a query at position
         p sees rows j <= p (and j > p - window on sliding-window layers)."""
