@@ -13,10 +13,10 @@ embedding of x_{i+1}, sits at RoPE position i + 1 and predicts x_{i+2}. At step 
 the hidden input is the draft's own output state y of step s - 1 (post-norm with `norm_output`,
 EAGLE 3.1) and the token is the one drafted (serving) or the ground truth shifted by s (training).
 
-Training-time test (TTT): all rows of a sequence unroll `steps` steps at once; step s attends the
-step-0 keys causally and, for every earlier step j in 1..s, only the key of the same row (the draft
-chain of that anchor) -- exactly what serving sees in its KV cache, so a one-step unroll is a plain
-causal forward (tests/test_eagle3.py checks both against the serving path).
+The layers are models.layers' Llama layers; everything but the input part (`fc`, the 2H first layer)
+and the speculators config.json is shared with MTP in head.py (`DraftHead`): the vocabulary mapping,
+RoPE, the training-time-test unroll (`forward`; tests/test_eagle3.py checks it against the serving
+path) and the checked checkpoint load.
 
 Draft vocabulary: `d2t[i]` is an offset, target id = i + d2t[i]; `t2d` is a bool mask over the target
 vocabulary. Both are built from token-frequency counts (`build_vocab_mapping`).
