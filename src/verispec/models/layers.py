@@ -52,15 +52,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.stack([torch.mv(weight, row) for row in x2])
     elif M == 1 and not invariant:
         y = torch.mv(weight, x2[0])[None]
-    elif M == 1:  # one row goes through the same GEMM kernel as several (padded to two; same speed as mv)
-        y = (weight @ torch.cat([x2, torch.zeros_like(x2)]).t())[:, :1].t().contiguous()
     elif invariant:  # row blocks of a fixed maximum size: oneDNN re-blocks K past ~78 rows, changing the bits
-        y = torch.cat([(weight @ xb.t()).t() for xb in x2.split(INVARIANT_ROWS)]).contiguous()
+        y = torch.cat([_gemm_rows(weight, xb) for xb in x2.split(INVARIANT_ROWS)]).contiguous()
     else:  # dense rows: elementwise ops that follow vectorize a transposed view differently
         y = (weight @ x2.t()).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _gemm_rows(weight: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """(weight @ xb.T).T; a single row is padded to two so that it goes through the same GEMM kernel as
+    several (same speed as mv): alone, or as the last block of 65, 129, ... rows."""
+    if xb.shape[0] == 1:
+        return (weight @ torch.cat([xb, torch.zeros_like(xb)]).t())[:, :1].t()
+    return (weight @ xb.t()).t()
 
 
 def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
