@@ -83,7 +83,8 @@ def _serve_rows(m: Eagle3Model, drafter: Eagle3Drafter, ids, aux, slot=0):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("flags", [{}, {"fc_norm": True, "norm_output": True}, {"norm_before_fc": True}])
+@pytest.mark.parametrize("flags", [{}, {"fc_norm": True, "norm_output": True}, {"norm_before_fc": True},
+                                   {"num_layers": 2, "norm_before_residual": True}])
 def test_ttt_one_step_is_plain_forward_and_unroll_is_the_chain(llama, flags):
     _, target = llama
     m = random_eagle(target, draft_vocab=64, **flags)
@@ -124,6 +125,21 @@ def test_padding_does_not_change_real_rows(llama):
     padded = m(aux, ids, valid, steps=2)
     torch.testing.assert_close(padded[0][1, :6], full[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded[1][1, :5], full[1][0, :5], atol=1e-5, rtol=1e-5)
+
+
+def test_one_row_step_under_autocast(llama):
+    """Training runs the head under bf16 autocast on fp32 weights, so one-row inputs reach the shared
+    `models.layers.linear` in bf16 against fp32 weights: they must take F.linear (which autocast
+    casts), not the one-row `mv` fast path (which refuses mixed dtypes)."""
+    _, target = llama
+    m = random_eagle(target, draft_vocab=64).train()
+    ids = random_ids(2, 160, seed=6)  # 2 tokens: one draft row per step
+    aux = torch.randn(1, 2, 3 * target.config.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = m(aux, ids, torch.ones_like(ids, dtype=torch.bool), steps=2)
+    sum(o.float().logsumexp(-1).sum() for o in outs).backward()
+    assert all(o.shape == (1, 1, 64) and torch.isfinite(o).all() for o in outs)
+    assert m.fc.weight.grad is not None and torch.isfinite(m.fc.weight.grad).all()
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,3 +327,41 @@ def test_bad_checkpoints_are_refused(llama, tmp_path):
         load_eagle3(corrupt, target)
     with pytest.raises(ValueError, match="hidden size"):
         make_drafter(str(tmp_path / "hidden"), target, 1, 32, torch.float32, "cpu")
+
+
+def test_mtp_checkpoint_shares_the_checked_load_path(llama, tmp_path):
+    """MTP heads save and load through the same code as EAGLE-3 (drafters/head.py), so they are refused
+    for the same reasons: stray tensors, a broken draft-vocabulary mapping, another target."""
+    from safetensors.torch import load_file, save_file
+
+    from verispec.drafters.mtp import MTPModel, load_mtp
+
+    _, target = llama
+    c = Eagle3Config.for_target(target, draft_vocab_size=40, aux_layers=[-1], intermediate_size=48)
+    torch.manual_seed(0)
+    m = MTPModel(c, embed_weight=target.model.embed_tokens.weight)
+    m.set_vocab_mapping(*build_vocab_mapping(torch.arange(160, 0, -1).float(), 40))
+    good = m.save(tmp_path / "good", dtype=torch.float32)
+    back = load_mtp(good, target)
+    assert back.state_dict().keys() == m.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), back.state_dict().values()))
+    assert back.embed_weight is not None and back.config == c
+
+    def variant(name, edit_sd):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((good / "config.json").read_text())
+        sd = load_file(str(good / "model.safetensors"))
+        edit_sd(sd)
+        save_file(sd, str(d / "model.safetensors"))
+        return d
+
+    with pytest.raises(CheckpointError, match="unexpected tensor"):
+        load_mtp(variant("stray", lambda sd: sd.update({"fc.weight": torch.zeros(2, 2)})), target)
+    with pytest.raises(CheckpointError, match="draft vocabulary mapping"):
+        load_mtp(variant("vocab", lambda sd: sd.update({"d2t": torch.ones(40, dtype=torch.long)})), target)
+    other = ours_from_hf(build_hf("llama", num_hidden_layers=2, hidden_size=32, head_dim=8))
+    with pytest.raises(CheckpointError, match="hidden size"):
+        load_mtp(good, other)
+    with pytest.raises(CheckpointError, match="not an MTP checkpoint"):
+        load_mtp(random_eagle(target, draft_vocab=40).save(tmp_path / "eagle", dtype=torch.float32), target)

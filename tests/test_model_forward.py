@@ -338,6 +338,29 @@ def test_causal_tree_mask_equals_default(tiny_hf_model, family):
 
 # --------------------------------------------------------------------------------------------
 # 7. bf16
+#
+# How close a bf16 forward can be: on these tiny random models bf16 rounding alone moves the logits
+# by 1-4 % of max|logit| -- transformers' own bf16 forward against an fp32 forward of the same
+# (bf16-rounded) weights is off by 0.010 (gemma3) to 0.035 (llama) x max|logit| on the inputs below,
+# and ours by as much, so ours and transformers' bf16 logits differ by up to 0.042 x max|logit|.
+# A fixed fraction of max|logit| is then either loose (5x the noise on gemma3) or barely above the
+# noise (llama). Instead both bf16 forwards are measured against the fp32 truth, and ours may be off
+# by at most a small factor of the reference implementation's own bf16 error on the same model and
+# input. Measured over 75 (model seed, input) pairs of the five families (5 seeds x 3 inputs each):
+# mean |error| ratio 0.83-1.28 (0.98-1.09 on the inputs below), max |error| ratio 0.6-1.8. A 3 %
+# error in the attention scale, or RMSNorm statistics in bf16, exceed these bounds on some families;
+# the old 0.05 x max|logit| bound missed most of those.
+BF16_MEAN_FACTOR, BF16_MAX_FACTOR = 1.5, 2.0
+
+
+def _assert_bf16_noise_level(got: torch.Tensor, hf_bf16, ids: torch.Tensor) -> None:
+    """Our bf16 logits are within the factors above of transformers' bf16 error (truth: fp32 forward
+    of hf_bf16's rounded weights)."""
+    truth = hf_logits(copy.deepcopy(hf_bf16).float(), ids)
+    ours, theirs = (got - truth).abs(), (hf_logits(hf_bf16, ids) - truth).abs()
+    mean, peak = float(ours.mean() / theirs.mean()), float(ours.max() / theirs.max())
+    assert mean < BF16_MEAN_FACTOR and peak < BF16_MAX_FACTOR, f"bf16 error {mean:.2f}x (mean) / {peak:.2f}x (max) " \
+        "transformers' own"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -352,8 +375,8 @@ def test_bf16_smoke(family):
     assert cache.k[0].dtype == torch.bfloat16
     got = torch.cat([_prefill(ours, cache, 0, ids[:, :10]), ours(ids[:, 10:], cache, [0], torch.tensor([10])).logits], 1)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    _assert_bf16_noise_level(got, hf, ids)
     scale = ref.abs().max()
-    assert (got - ref).abs().max() < 0.05 * scale, (got - ref).abs().max()
     # argmax agrees wherever HF's top-2 margin is not within bf16 noise
     top2 = ref.topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > 0.02 * scale
@@ -380,8 +403,10 @@ def test_fused_forward_matches_unfused(family, dtype):
     for m in (1, 5, 20):  # mv, small matmul and F.linear paths
         a = plain(ids[:, :m], plain.new_cache(1, 24), [0], torch.tensor([0])).logits
         b = fused(ids[:, :m], fused.new_cache(1, 24), [0], torch.tensor([0])).logits
-        atol = 1e-5 if dtype == torch.float32 else 0.05 * a.abs().max().item()
-        _close(a, b, atol=atol, what=f"{m} rows")
+        # fusing only makes the q/k/v (gate/up) weights views into one matrix: every output element is
+        # the same dot product through the same kernel, so the logits are bit-identical (measured on
+        # all five families, 1-40 rows, fp32 and bf16, 1 and 2 threads); no tolerance is justified
+        assert torch.equal(a, b), f"{m} rows: fused logits differ by {float((a - b).abs().max())}"
         if dtype == torch.float32:
             _close(b, hf_logits(hf, ids[:, :m]), what=f"{m} rows vs HF")
 
@@ -396,8 +421,7 @@ def test_fuse_then_to_dtype():
     ours = ours_from_hf(hf).fuse().to(torch.bfloat16)
     ids = random_ids(6, hf.config.vocab_size, seed=92)
     got = ours(ids, ours.new_cache(1, 8), [0], torch.tensor([0])).logits
-    ref = hf_logits(hf.to(torch.bfloat16), ids)
-    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    _assert_bf16_noise_level(got, hf.to(torch.bfloat16), ids)
 
 
 @torch.no_grad()

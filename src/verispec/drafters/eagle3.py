@@ -13,10 +13,10 @@ embedding of x_{i+1}, sits at RoPE position i + 1 and predicts x_{i+2}. At step 
 the hidden input is the draft's own output state y of step s - 1 (post-norm with `norm_output`,
 EAGLE 3.1) and the token is the one drafted (serving) or the ground truth shifted by s (training).
 
-Training-time test (TTT): all rows of a sequence unroll `steps` steps at once; step s attends the
-step-0 keys causally and, for every earlier step j in 1..s, only the key of the same row (the draft
-chain of that anchor) -- exactly what serving sees in its KV cache, so a one-step unroll is a plain
-causal forward (tests/test_eagle3.py checks both against the serving path).
+The layers are models.layers' Llama layers; everything but the input part (`fc`, the 2H first layer)
+and the speculators config.json is shared with MTP in head.py (`DraftHead`): the vocabulary mapping,
+RoPE, the training-time-test unroll (`forward`; tests/test_eagle3.py checks it against the serving
+path) and the checked checkpoint load.
 
 Draft vocabulary: `d2t[i]` is an offset, target id = i + d2t[i]; `t2d` is a bool mask over the target
 vocabulary. Both are built from token-frequency counts (`build_vocab_mapping`).
@@ -29,20 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..models.model import linear
+from ..models.layers import DecoderLayer, RMSNorm, linear
 from ..sequence import Sequence
 from ..sampling import probs, sample
 from .base import Draft, DrafterBase, register
+from .head import CheckpointError, DraftHead, layer_config
 
 ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
-
-
-class CheckpointError(ValueError):
-    """An EAGLE-3 checkpoint that cannot be used (corrupt, incomplete, or made for another target)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,151 +201,41 @@ def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[to
 # the module
 
 
-class RMSNorm(nn.Module):
-    """Llama RMSNorm (fp32 statistics; weight applied after casting back)."""
+class Eagle3FirstLayer(DecoderLayer):
+    """EAGLE-3's first layer: attention reads concat(input_layernorm(embedding), hidden_norm(g)) (2H), and
+    the residual is g (hidden_norm(g) with `norm_before_residual`). Later layers are plain Llama layers."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class _Attention(nn.Module):
-    def __init__(self, c: Eagle3Config, in_dim: int):
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(in_dim, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_dim, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_dim, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, kv):
-        """x [B, T, in]; cos/sin [B, 1, T, hd]; kv(k, v) -> (K, V, mask) stores the new keys and
-        returns what these queries attend to ([B, kvh, Lk, hd] x2 and a bool mask [B, 1, T, Lk])."""
-        B, T, _ = x.shape
-        c = self.c
-        q = _lin(self.q_proj, x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = _lin(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = _lin(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        K, V, mask = kv(k, v)
-        o = F.scaled_dot_product_attention(q, K.to(q.dtype), V.to(q.dtype), attn_mask=mask,
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
-        return _lin(self.o_proj, o.transpose(1, 2).reshape(B, T, -1))
-
-
-def _lin(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """m(x), with the faster CPU kernels of models.model.linear for decode-sized bf16 inputs."""
-    if x.dtype != m.weight.dtype:  # autocast training: let F.linear cast
-        return m(x)
-    return linear(x, m.weight, m.bias)
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-class _MLP(nn.Module):
     def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return _lin(self.down_proj, F.silu(_lin(self.gate_proj, x)) * _lin(self.up_proj, x))
-
-
-class _Layer(nn.Module):
-    """A Llama decoder layer; the first one reads concat(embedding, hidden) (2H) as EAGLE-3 does."""
-
-    def __init__(self, c: Eagle3Config, first: bool):
-        super().__init__()
-        H = c.hidden_size
-        self.first = first
-        self.self_attn = _Attention(c, 2 * H if first else H)
-        self.mlp = _MLP(c)
-        self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
-        if first:
-            self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        super().__init__(layer_config(c), attn_in=2 * c.hidden_size)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm_before_residual = c.norm_before_residual
 
     def forward(self, x, cos, sin, kv):
-        if self.first:
-            e, h = x.chunk(2, dim=-1)
-            hn = self.hidden_norm(h)
-            residual = hn if self.norm_before_residual else h
-            a = self.self_attn(torch.cat([self.input_layernorm(e), hn], dim=-1), cos, sin, kv)
-        else:
-            residual = x
-            a = self.self_attn(self.input_layernorm(x), cos, sin, kv)
-        y = residual + a
-        return y + self.mlp(self.post_attention_layernorm(y))
+        e, h = x.chunk(2, dim=-1)
+        hn = self.hidden_norm(h)
+        a = self.self_attn(torch.cat([self.input_layernorm(e), hn], dim=-1), cos, sin, kv)
+        return self.residual_mlp((hn if self.norm_before_residual else h) + a)
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Model(DraftHead):
     """The drafter's weights (names as speculators writes them) plus a frozen reference to the target's
     embedding table (not a parameter, not saved: vLLM and speculators take it from the verifier)."""
 
+    FORMAT = "speculators"
+    # speculators may save the verifier's embedding / head / norm; we use the target's
+    IGNORED_TENSORS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
     def __init__(self, c: Eagle3Config, embed_weight: torch.Tensor | None = None):
-        super().__init__()
-        self.config = c
         H, n = c.hidden_size, len(c.aux_layers)
         if c.fc_norm and c.norm_before_fc:
             raise ValueError("fc_norm and norm_before_fc are mutually exclusive")
+        inputs = {}
         if c.fc_norm:
-            self.fc_norm = nn.ModuleList(RMSNorm(H, c.rms_norm_eps) for _ in range(n))
+            inputs["fc_norm"] = nn.ModuleList(RMSNorm(H, c.rms_norm_eps) for _ in range(n))
         if c.norm_before_fc:
-            self.input_norm = RMSNorm(n * H, c.rms_norm_eps)
-        self.fc = nn.Linear(n * H, H, bias=False)
-        self.layers = nn.ModuleList(_Layer(c, i == 0) for i in range(c.num_layers))
-        self.norm = RMSNorm(H, c.rms_norm_eps)
-        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
-        self.use_draft_vocab = c.draft_vocab_size != c.vocab_size
-        if self.use_draft_vocab:
-            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
-        else:
-            self.d2t = self.t2d = None
-        self.set_embedding(embed_weight)
-        hd = c.head_dim
-        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-
-    # ---- pieces ----------------------------------------------------------------------------------
-    def set_embedding(self, weight: torch.Tensor | None) -> None:
-        """Attach the target's embedding table [V, H]: a detached view (not a parameter, never saved)."""
-        self.__dict__["embed_weight"] = None if weight is None else weight.detach()
-
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        if not self.use_draft_vocab:
-            return
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target(self) -> torch.Tensor:
-        """[Vd] target ids of the draft vocabulary."""
-        ar = torch.arange(self.config.draft_vocab_size, device=self.lm_head.weight.device)
-        return ar + self.d2t if self.use_draft_vocab else ar
-
-    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target ids -> draft ids (-1 where the id is not in the draft vocabulary)."""
-        if not self.use_draft_vocab:
-            return ids
-        lut = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
-        lut[self.draft_to_target().to(ids.device)] = torch.arange(self.config.draft_vocab_size, device=ids.device)
-        return lut[ids]
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_weight is None:
-            raise RuntimeError("the EAGLE-3 drafter needs the target's embedding (attach it with embed_weight=...)")
-        return F.embedding(ids, self.embed_weight)
+            inputs["input_norm"] = RMSNorm(n * H, c.rms_norm_eps)
+        inputs["fc"] = nn.Linear(n * H, H, bias=False)
+        super().__init__(c, embed_weight, inputs, first_layer=Eagle3FirstLayer(c))
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [..., n*H] (target layer outputs, concatenated in aux_layers order) -> [..., H]."""
@@ -358,141 +244,48 @@ class Eagle3Model(nn.Module):
             aux = self.input_norm(aux)
         if self.config.fc_norm:
             aux = torch.cat([nrm(a) for nrm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
-        return _lin(self.fc, aux)
-
-    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        f = positions.float()[..., None] * self._inv_freq.to(positions.device)
-        emb = torch.cat((f, f), -1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, hd]
+        return linear(aux, self.fc.weight)
 
     def step(self, ids, hidden, positions, kvs):
         """One draft step: ids [B, T] tokens, hidden [B, T, H] (fused target state, or the previous
-        step's output), positions [B, T]; kvs[l](k, v) -> (K, V, mask) per layer.
+        step's output), positions [B, T]; kvs[l](k, v) -> (K, V, mask) per layer (models.layers).
         Returns (next hidden [B, T, H], draft logits [B, T, Vd] fp32)."""
-        e = self.embed(ids).to(hidden.dtype)
-        x = torch.cat([e, hidden], -1)
-        cos, sin = self.rope(positions, hidden.dtype)
-        for layer, kv in zip(self.layers, kvs):
-            x = layer(x, cos, sin, kv)
-        if self.config.norm_output:
-            x = self.norm(x)
-            return x, _lin(self.lm_head, x).float()
-        return x, _lin(self.lm_head, self.norm(x)).float()
-
-    # ---- training: training-time test unrolling ---------------------------------------------------
-    def forward(self, aux: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
-        """Unroll `steps` draft steps over whole sequences (teacher-forced tokens, own hidden states).
-
-        aux   [B, T, n*H]  target layer outputs g_0 .. g_{T-1} for tokens x_0 .. x_{T-1}
-        ids   [B, T]       tokens x_0 .. x_{T-1}
-        valid [B, T] bool  real (not padding) tokens
-        Returns logits per step: out[s][b, i] ([B, T-1, Vd]) is the draft's distribution for token
-        x_{i+2+s} from anchor row i (target state g_i, then tokens x_{i+1} .. x_{i+1+s}).
-        """
-        B, T = ids.shape
-        n = T - 1
-        dev = ids.device
-        hidden = self.fuse(aux[:, :n])
-        rows = torch.arange(n, device=dev)
-        positions = (rows + 1)[None].expand(B, n)
-        kvalid = valid[:, 1:]  # row i reads x_{i+1}
-        diag = torch.eye(n, dtype=torch.bool, device=dev)[None, None].expand(B, 1, n, n)
-        causal = ((rows[None, :] <= rows[:, None])[None, None] & kvalid[:, None, None, :]) | diag  # [B, 1, n, n]
-        past = [([], []) for _ in self.layers]
-        out = []
-        for s in range(steps):
-            tok = torch.cat([ids[:, 1 + s :], ids.new_zeros(B, s)], 1)[:, :n] if s else ids[:, 1:]
-            mask = torch.cat([causal] + [diag] * s, dim=-1)  # [B, 1, n, (s+1) n]
-
-            def make_kv(l):
-                def kv(k, v):
-                    past[l][0].append(k)
-                    past[l][1].append(v)
-                    return torch.cat(past[l][0], 2), torch.cat(past[l][1], 2), mask
-                return kv
-
-            hidden, logits = self.step(tok, hidden, positions + s, [make_kv(l) for l in range(len(self.layers))])
-            out.append(logits)
-        return out
+        x = torch.cat([self.embed(ids).to(hidden.dtype), hidden], -1)
+        y = self.run_layers(x, positions, kvs, hidden.dtype)
+        if self.config.norm_output:  # EAGLE 3.1: the next step reads the post-norm state
+            y = self.norm(y)
+            return y, self.head_logits(y)
+        return y, self.head_logits(self.norm(y))
 
     # ---- checkpoint (speculators format) ----------------------------------------------------------
-    def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-        from safetensors.torch import save_file
+    def config_json(self, dtype_name: str) -> dict:
+        return self.config.to_speculators(dtype_name)
 
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in self.state_dict().items()}
-        tmp = out / "model.safetensors.tmp"
-        save_file(sd, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / "model.safetensors")
-        name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-        (out / "config.json").write_text(json.dumps(self.config.to_speculators(name), indent=2) + "\n")
-        return out
+    @classmethod
+    def claims(cls, d: dict) -> bool:
+        return d.get("speculators_model_type") == "eagle3"
+
+    @classmethod
+    def config_from_json(cls, d: dict, where: str) -> Eagle3Config:
+        return Eagle3Config.from_speculators(d, where)
+
+    @classmethod
+    def check_target(cls, c: Eagle3Config, target, where: str) -> None:
+        super().check_target(c, target, where)
+        t = target.config
+        bad = [i for i in c.aux_layers if not 0 <= i < t.num_layers]
+        if bad:
+            raise CheckpointError(f"{where}: target layer ids {bad} out of range for a {t.num_layers}-layer target")
+        arch = ARCHITECTURES.get(t.model_type)
+        if c.verifier_architectures and arch and arch not in c.verifier_architectures:
+            raise CheckpointError(f"{where}: made for verifier {c.verifier_architectures} ({c.verifier}), "
+                                  f"but the target is {arch}")
 
 
 def load_eagle3(path: str | Path, target=None, dtype: torch.dtype = torch.float32) -> Eagle3Model:
     """Load a speculators-format EAGLE-3 checkpoint folder; with `target`, check it was made for it
     and attach the target's embedding. Refuses bad checkpoints with a message naming the problem."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg_file, w_file = path / "config.json", path / "model.safetensors"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{path}: no config.json (not a speculators checkpoint folder)")
-    try:
-        d = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
-    c = Eagle3Config.from_speculators(d, str(cfg_file))
-    if not w_file.is_file():
-        raise CheckpointError(f"{path}: no model.safetensors")
-    try:
-        sd = load_file(str(w_file))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{w_file}: unreadable safetensors file ({e})") from e
-    if target is not None:
-        check_target(c, target, str(path))
-    model = Eagle3Model(c)
-    want = model.state_dict()
-    sd.pop("embed_tokens.weight", None)  # speculators may save the verifier's embedding; we use the target's
-    for k in ("verifier_lm_head.weight", "verifier_norm.weight"):
-        sd.pop(k, None)
-    missing = sorted(set(want) - set(sd))
-    unexpected = sorted(set(sd) - set(want))
-    if missing:
-        raise CheckpointError(f"{w_file}: tensor(s) missing: {', '.join(missing[:6])}")
-    if unexpected:
-        raise CheckpointError(f"{w_file}: unexpected tensor(s) {', '.join(unexpected[:6])} for this config.json")
-    for k, v in want.items():
-        if tuple(sd[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{w_file}: tensor {k} has shape {tuple(sd[k].shape)}, config.json implies {tuple(v.shape)}"
-                                  f" (hidden size {c.hidden_size}, draft vocab {c.draft_vocab_size})")
-    model.load_state_dict({k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()})
-    model.to(dtype)
-    if model.use_draft_vocab:
-        tgt = model.draft_to_target()
-        if int(tgt.min()) < 0 or int(tgt.max()) >= c.vocab_size or not bool((tgt[1:] > tgt[:-1]).all()) \
-                or int(model.t2d.sum()) != c.draft_vocab_size or not bool(model.t2d[tgt].all()):
-            raise CheckpointError(f"{w_file}: d2t / t2d do not form a consistent draft vocabulary mapping")
-    if target is not None:
-        model.set_embedding(target.model.embed_tokens.weight)
-    return model.eval()
-
-
-def check_target(c: Eagle3Config, target, where: str) -> None:
-    t = target.config
-    if c.hidden_size != t.hidden_size:
-        raise CheckpointError(f"{where}: drafter hidden size {c.hidden_size} != target hidden size {t.hidden_size}")
-    if c.vocab_size != t.vocab_size:
-        raise CheckpointError(f"{where}: drafter vocabulary {c.vocab_size} != target vocabulary {t.vocab_size}")
-    bad = [i for i in c.aux_layers if not 0 <= i < t.num_layers]
-    if bad:
-        raise CheckpointError(f"{where}: target layer ids {bad} out of range for a {t.num_layers}-layer target")
-    arch = ARCHITECTURES.get(t.model_type)
-    if c.verifier_architectures and arch and arch not in c.verifier_architectures:
-        raise CheckpointError(f"{where}: made for verifier {c.verifier_architectures} ({c.verifier}), "
-                              f"but the target is {arch}")
+    return Eagle3Model.load(path, target, dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -637,13 +430,7 @@ class Eagle3Drafter(DrafterBase):
 
 
 def is_eagle3_dir(path: str) -> bool:
-    p = Path(path) / "config.json"
-    if not p.is_file():
-        return False
-    try:
-        return json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
-    except (OSError, json.JSONDecodeError):
-        return False
+    return Eagle3Model.is_checkpoint(path)
 
 
 @register("eagle3", "eagle3:DIR (or a bare DIR)", "an EAGLE-3 head in the speculators format", detect=lambda p: is_eagle3_dir(p))

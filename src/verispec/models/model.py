@@ -10,6 +10,9 @@ The forward is written for speculative decoding:
   positions, for a batch of sequences with different cache lengths;
 - logits only for the rows asked for (prefill needs one row, verification all of them);
 - hidden states of chosen layers (`taps`) for drafters that read them (EAGLE, MTP).
+
+The layers themselves (attention, MLP, norms, the CPU matmul helper) are in `layers.py`, shared with
+the EAGLE-3 and MTP draft heads; this file wires them to the engine's `KVCache`.
 """
 
 from __future__ import annotations
@@ -17,202 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .paths import PathViews
+from .layers import KV, DecoderLayer, RMSNorm, linear, rope_cos_sin
 from ..kv import KVCache
 
-
-INVARIANT_ROWS = 64  # rows per GEMM call in invariant mode (bf16 CPU GEMM rows are count-invariant up to here)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T, choosing the fastest CPU kernel for decode-sized inputs.
-
-    On CPU, bf16 `F.linear` with a handful of rows is 1.4-1.7x slower than `mv` (one row) or
-    `weight @ x.T` (a few rows) on the same weights (measured on the 2-core dev machine).
-    Large inputs (prefill) and other devices take the ordinary path.
-
-    invariant=True takes a path whose result for a row does not depend on how many other rows are
-    in the call nor where the row is (checked bit for bit in tests/test_exact_numerics.py): in
-    bf16 `weight @ x.T`, a single row padded to two (no extra cost on this CPU: `mv` can round
-    differently from the GEMM kernel, so it is not used), in fp32 one `mv` per row (MKL's fp32
-    GEMM is not row-invariant, so verifying k + 1 rows then costs k + 1 weight reads). `F.linear`
-    switches kernels with the row count, so without it the same token can round differently in
-    a verify window than in a one-token decode step.
-    """
-    M = x.numel() // x.shape[-1]
-    if not invariant and (x.device.type != "cpu" or x.dtype == torch.float32 or M > 16):
-        return F.linear(x, weight, bias)
-    x2 = x.reshape(M, x.shape[-1])
-    if invariant and x.dtype == torch.float32:  # MKL's fp32 GEMM is not row-invariant: one GEMV per row
-        y = torch.stack([torch.mv(weight, row) for row in x2])
-    elif M == 1 and not invariant:
-        y = torch.mv(weight, x2[0])[None]
-    elif M == 1:  # one row goes through the same GEMM kernel as several (padded to two; same speed as mv)
-        y = (weight @ torch.cat([x2, torch.zeros_like(x2)]).t())[:, :1].t().contiguous()
-    elif invariant:  # row blocks of a fixed maximum size: oneDNN re-blocks K past ~78 rows, changing the bits
-        y = torch.cat([(weight @ xb.t()).t() for xb in x2.split(INVARIANT_ROWS)]).contiguous()
-    else:  # dense rows: elementwise ops that follow vectorize a transposed view differently
-        y = (weight @ x2.t()).t().contiguous()
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights of several projections of the same input into one matrix, and
-    make each module's weight a view into it (no extra memory; one matmul instead of several)."""
-    w = torch.cat([m.weight.detach() for m in linears])
-    b = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
-    i = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(w[i : i + n], requires_grad=False)
-        if b is not None:
-            m.bias = nn.Parameter(b[i : i + n], requires_grad=False)
-        i += n
-    return w, b
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm in fp32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast, then scale by w."""
-
-    def __init__(self, dim: int, eps: float, gemma: bool):
-        super().__init__()
-        self.eps, self.gemma = eps, gemma
-        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.c = c
-        hd = c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * hd, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * hd, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias and c.model_type != "qwen2")
-        if c.qk_norm:
-            self.q_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
-            self.k_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
-        self.qkv: tuple | None = None  # fused (weight, bias) once `fuse()` ran
-        self.invariant = False  # batch-invariant matmuls (exact mode)
-
-    def fuse(self):
-        self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
-
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, slot_rows, kv_view):
-        """x: [B, T, H]; cos/sin: [B, 1, T, hd]; mask: [B, 1, T, Lk] bool.
-
-        k_cache/v_cache: [slots, kv_heads, max_len, hd] (written in place at `slot_rows`);
-        kv_view(cache) -> [B, kv_heads, Lk, hd], the keys/values this batch attends to.
-        """
-        B, T, _ = x.shape
-        c = self.c
-        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv, self.invariant).split([nq, nk, nk], dim=-1)
-        else:
-            q, k, v = (linear(x, m.weight, m.bias, self.invariant) for m in (self.q_proj, self.k_proj, self.v_proj))
-        q = q.reshape(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # [B, h, T, hd]
-        k = k.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
-        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # contiguous q: the CPU flash kernel rounds a strided q differently from a dense one, which
-        # would make a token's bits depend on the verify window width (T = 1 is always dense)
-        q, k = _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin)
-        slots, rows = slot_rows  # [B, T] each
-        k_cache[slots, :, rows] = k.transpose(1, 2)  # [B, T, kvh, hd]
-        v_cache[slots, :, rows] = v
-        if isinstance(kv_view, PathViews):
-            o = kv_view.attend(q, k_cache, v_cache, mask, self._attend)  # [B, T, h, hd]
-        else:
-            o = self._attend(q, kv_view(k_cache), kv_view(v_cache), mask).transpose(1, 2)  # [B, T, h, hd]
-        return linear(o.reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)
-
-    def _attend(self, q, K, V, mask):
-        """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd]."""
-        c = self.c
-        if c.attn_logit_softcap is not None:
-            return _softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
-        pad = self.invariant and q.shape[2] == 1  # the CPU kernel has its own path for one query row
-        if pad:
-            q, mask = torch.cat([q, q], dim=2), torch.cat([mask, mask], dim=2)
-        o = F.scaled_dot_product_attention(
-            q, K, V, attn_mask=mask, scale=c.attn_scale, enable_gqa=c.num_heads != c.num_kv_heads
-        )
-        return o[:, :, :1] if pad else o
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _softcapped_attention(q, K, V, mask, scale, cap):
-    rep = q.shape[1] // K.shape[1]
-    K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
-    w = (q @ K.transpose(-1, -2)) * scale
-    w = torch.tanh(w / cap) * cap
-    w = w.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-    return w @ V
-
-
-class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-        self.gelu = c.activation == "gelu_tanh"
-        self.gate_up: tuple | None = None
-        self.invariant = False
-
-    def fuse(self):
-        self.gate_up = fuse_rows(self.gate_proj, self.up_proj)
-
-    def forward(self, x):
-        if self.gate_up is not None:
-            g, u = linear(x, *self.gate_up, self.invariant).chunk(2, dim=-1)
-        else:
-            g = linear(x, self.gate_proj.weight, self.gate_proj.bias, self.invariant)
-            u = linear(x, self.up_proj.weight, self.up_proj.bias, self.invariant)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return linear(g * u, self.down_proj.weight, self.down_proj.bias, self.invariant)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
-        g = c.gemma_norms
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
-        if g:  # Gemma: a norm after attention and around the MLP
-            self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
-            self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
-        self.gemma = g
-
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, slot_rows, kv_view):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, k_cache, v_cache, slot_rows, kv_view)
-        if self.gemma:
-            x = x + self.post_attention_layernorm(a)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+__all__ = ["CausalLM", "ForwardOutput", "linear"]  # linear: re-exported from layers
 
 
 class Backbone(nn.Module):
@@ -312,13 +127,8 @@ class CausalLM(nn.Module):
         key = (kind, self.device, self.dtype)
         if key not in self._rope_cache:
             inv, scale = self.config.rope[kind]
-            n = self._rope_len
-            freqs = torch.arange(n, dtype=torch.float32)[:, None] * inv.float()[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cache[key] = (
-                (emb.cos() * scale).to(self.device, self.dtype),
-                (emb.sin() * scale).to(self.device, self.dtype),
-            )
+            cos, sin = rope_cos_sin(inv, torch.arange(self._rope_len), scale)
+            self._rope_cache[key] = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
         cos, sin = self._rope_cache[key]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, T, hd]
 
@@ -331,12 +141,12 @@ class CausalLM(nn.Module):
         *,
         positions: torch.Tensor | None = None,  # [B, T] RoPE positions; default start + t
         tree_mask: torch.Tensor | None = None,  # [B, T, T] bool: new token t sees new token s; default causal
+        paths: PathViews | None = None,  # token trees: each query attends its own path view (models/paths.py)
         logit_rows: torch.Tensor | None = None,  # [B, R] rows to compute logits for; None = all rows
         num_layers: int | None = None,  # run only the first N layers (layer-skip drafting)
         taps: tuple[int, ...] = (),  # layer outputs to return
         want_logits: bool = True,
         kv_len: int | None = None,  # attend over this many cache rows (static shapes); default max(start)+T
-        paths: PathViews | None = None,  # token trees: each query attends its own path view (models/paths.py)
     ) -> ForwardOutput:
         B, T = input_ids.shape
         dev = self.device
@@ -374,10 +184,8 @@ class CausalLM(nn.Module):
             if kind not in cos_sin:
                 cos_sin[kind] = self._cos_sin(kind, positions)
             cos, sin = cos_sin[kind]
-            x = self.model.layers[i](
-                x, cos, sin, masks[self.config.sliding_windows[i]], cache.k[i], cache.v[i], (slot_idx, new_rows),
-                paths or kv_view,
-            )
+            mask = masks[self.config.sliding_windows[i]]
+            x = self.model.layers[i](x, cos, sin, _cache_kv(cache.k[i], cache.v[i], slot_idx, new_rows, kv_view, mask, paths))
             if i in taps:
                 hidden[i] = x
         h = self.model.norm(x)
@@ -386,6 +194,22 @@ class CausalLM(nn.Module):
             hl = h if logit_rows is None else h.gather(1, logit_rows.to(dev)[..., None].expand(-1, -1, h.shape[-1]))
             logits = self.lm_logits(hl)
         return ForwardOutput(logits, hidden, h)
+
+
+def _cache_kv(k_cache, v_cache, slots, rows, kv_view, mask, paths: PathViews | None = None) -> KV:
+    """The target's `kv` for one layer: write the new keys/values at cache rows (slots, rows) [B, T]
+    in place, attend over kv_view(cache) [B, kv_heads, Lk, hd] with `mask` -- or, for token trees,
+    over each query's path view (`kv.route`, which regroups the queries)."""
+
+    def kv(k, v):  # [B, kvh, T, hd]
+        k_cache[slots, :, rows] = k.transpose(1, 2)
+        v_cache[slots, :, rows] = v.transpose(1, 2)
+        if paths is not None:
+            return paths.keys(k_cache), paths.keys(v_cache), mask
+        return kv_view(k_cache), kv_view(v_cache), mask
+
+    kv.route = paths
+    return kv
 
 
 def _attention_masks(c: ModelConfig, starts, positions, tree_mask, T, Lk, num_layers):

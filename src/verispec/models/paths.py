@@ -89,14 +89,18 @@ class PathViews:
             out[w] = m.unsqueeze(1)
         return out
 
-    def attend(self, q, k_cache, v_cache, mask, attend_fn):
-        """q [B, h, T, hd] -> attention output [B, T, h, hd], each query through its view."""
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """[P, kvh, Lk, hd]: each view's rows of a layer's key (or value) cache."""
+        return cache[self.slots[:, None], :, self.rows].permute(0, 2, 1, 3)
+
+    def gather_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, h, T, hd] -> [P, h, Tq, hd], each view's queries (dense)."""
         B, h, T, hd = q.shape
-        qf = q.transpose(1, 2).reshape(B * T, h, hd)
-        qv = qf[self.queries].transpose(1, 2).contiguous()  # [P, h, Tq, hd]
-        K = k_cache[self.slots[:, None], :, self.rows].permute(0, 2, 1, 3)  # [P, kvh, Lk, hd]
-        V = v_cache[self.slots[:, None], :, self.rows].permute(0, 2, 1, 3)
-        o = attend_fn(qv, K, V, mask).transpose(1, 2)  # [P, Tq, h, hd]
-        out = qf.new_zeros(B * T, h, hd)
-        out[self.queries[self.real]] = o[self.real]
-        return out.reshape(B, T, h, hd)
+        return q.transpose(1, 2).reshape(B * T, h, hd)[self.queries].transpose(1, 2).contiguous()
+
+    def scatter_outputs(self, o: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """o [P, h, Tq, hd] -> [B, h, T, hd]: each real query's output back at its place."""
+        P, h, Tq, hd = o.shape
+        out = o.new_zeros(B * T, h, hd)
+        out[self.queries[self.real]] = o.transpose(1, 2)[self.real]
+        return out.reshape(B, T, h, hd).transpose(1, 2)

@@ -1,0 +1,257 @@
+"""What the EAGLE-3 and MTP drafters share: a trained draft head on a frozen target, and its checkpoint.
+
+A `DraftHead` is
+
+    x = input part (subclass: EAGLE-3's `fc` over fused target layers, MTP's `eh_proj`)
+    y = Llama decoder layers (models.layers, configured by `layer_config`)
+    logits = lm_head(norm(y))                  over a draft vocabulary (`d2t` / `t2d`, optional)
+
+with the target's embedding attached by reference (not a parameter, never saved). It owns everything
+but the input part and `step`: construction, the vocabulary mapping, RoPE, the training-time-test
+unroll (`forward`), and one save / load path for a folder of config.json + model.safetensors, where
+each subclass supplies only the config.json dialect (speculators for EAGLE-3, verispec's for MTP).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.config import ModelConfig
+from ..models.layers import DecoderLayer, RMSNorm, linear, rope_cos_sin
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that cannot be used (corrupt, incomplete, or made for another target)."""
+
+
+def layer_config(c) -> ModelConfig:
+    """The draft layers as a `ModelConfig`: plain Llama layers (what speculators' `transformer_layer_config`
+    describes), RoPE with `c.rope_theta`, and the attention scale of PyTorch's SDPA default."""
+    hd = c.head_dim
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    return ModelConfig(
+        model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=hd,
+        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=False, activation="silu", attention_bias=False,
+        mlp_bias=False, qk_norm=False, gemma_norms=False, attn_scale=1.0 / math.sqrt(hd), final_logit_softcap=None,
+        attn_logit_softcap=None, sliding_windows=[None] * c.num_layers, rope_kinds=["full_attention"] * c.num_layers,
+        rope={"full_attention": (inv_freq, 1.0)}, max_position_embeddings=c.max_position_embeddings,
+    )
+
+
+class DraftHead(nn.Module):
+    """Base of the EAGLE-3 and MTP heads. Subclasses build their input modules, pass them to
+    `__init__` (in registration order, so seeded initialisation is reproducible), and define
+    `fuse` (target states -> the first step's hidden input), `step`, and the checkpoint dialect."""
+
+    FORMAT = "drafter"  # the checkpoint dialect, for messages
+    # names of tensors a checkpoint may carry that this head does not use (dropped on load)
+    IGNORED_TENSORS: tuple[str, ...] = ()
+
+    def __init__(self, c, embed_weight: torch.Tensor | None, inputs: dict[str, nn.Module],
+                 first_layer: nn.Module | None = None):
+        super().__init__()
+        self.config = c
+        for name, module in inputs.items():
+            setattr(self, name, module)
+        lc = layer_config(c)
+        first = [first_layer] if first_layer is not None else []
+        self.layers = nn.ModuleList(first + [DecoderLayer(lc) for _ in range(c.num_layers - len(first))])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.use_draft_vocab = c.draft_vocab_size != c.vocab_size
+        if self.use_draft_vocab:
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
+        self.set_embedding(embed_weight)
+        self._inv_freq = lc.rope["full_attention"][0]
+
+    # ---- pieces ----------------------------------------------------------------------------------
+    def set_embedding(self, weight: torch.Tensor | None) -> None:
+        """Attach the target's embedding table [V, H]: a detached view (not a parameter, never saved)."""
+        self.__dict__["embed_weight"] = None if weight is None else weight.detach()
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if not self.use_draft_vocab:
+            return
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] target ids of the draft vocabulary."""
+        ar = torch.arange(self.config.draft_vocab_size, device=self.lm_head.weight.device)
+        return ar + self.d2t if self.use_draft_vocab else ar
+
+    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft ids (-1 where the id is not in the draft vocabulary)."""
+        if not self.use_draft_vocab:
+            return ids
+        lut = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        lut[self.draft_to_target().to(ids.device)] = torch.arange(self.config.draft_vocab_size, device=ids.device)
+        return lut[ids]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_weight is None:
+            raise RuntimeError("the drafter needs the target's embedding (attach it with embed_weight=...)")
+        return F.embedding(ids, self.embed_weight)
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_cos_sin(self._inv_freq, positions)
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # [B, 1, T, hd]
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kvs, dtype) -> torch.Tensor:
+        """The decoder layers over x [B, T, *] at RoPE `positions` [B, T]; kvs[l] is layer l's `kv`
+        (models.layers); RoPE tables in `dtype` (the hidden input's)."""
+        cos, sin = self.rope(positions, dtype)
+        for layer, kv in zip(self.layers, kvs):
+            x = layer(x, cos, sin, kv)
+        return x
+
+    def head_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Post-norm state -> fp32 logits over the draft vocabulary."""
+        return linear(y, self.lm_head.weight).float()
+
+    # ---- training: training-time test unrolling ---------------------------------------------------
+    def forward(self, aux: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+        """Unroll `steps` draft steps over whole sequences (teacher-forced tokens, own hidden states).
+
+        aux   [B, T, n*H]  target states g_0 .. g_{T-1} for tokens x_0 .. x_{T-1}
+        ids   [B, T]       tokens x_0 .. x_{T-1}
+        valid [B, T] bool  real (not padding) tokens
+        Returns logits per step: out[s][b, i] ([B, T-1, Vd]) is the draft's distribution for token
+        x_{i+2+s} from anchor row i (target state g_i, then tokens x_{i+1} .. x_{i+1+s}).
+
+        Step s attends the step-0 keys causally and, for every earlier step j in 1..s, only the key of
+        the same row (the draft chain of that anchor) -- exactly what serving sees in its KV cache.
+        """
+        B, T = ids.shape
+        n = T - 1
+        dev = ids.device
+        hidden = self.fuse(aux[:, :n])
+        rows = torch.arange(n, device=dev)
+        positions = (rows + 1)[None].expand(B, n)
+        kvalid = valid[:, 1:]  # row i reads x_{i+1}
+        diag = torch.eye(n, dtype=torch.bool, device=dev)[None, None].expand(B, 1, n, n)
+        causal = ((rows[None, :] <= rows[:, None])[None, None] & kvalid[:, None, None, :]) | diag  # [B, 1, n, n]
+        past = [([], []) for _ in self.layers]
+        out = []
+        for s in range(steps):
+            tok = torch.cat([ids[:, 1 + s :], ids.new_zeros(B, s)], 1)[:, :n] if s else ids[:, 1:]
+            mask = torch.cat([causal] + [diag] * s, dim=-1)  # [B, 1, n, (s+1) n]
+
+            def make_kv(l):
+                def kv(k, v):
+                    past[l][0].append(k)
+                    past[l][1].append(v)
+                    return torch.cat(past[l][0], 2), torch.cat(past[l][1], 2), mask
+                return kv
+
+            hidden, logits = self.step(tok, hidden, positions + s, [make_kv(l) for l in range(len(self.layers))])
+            out.append(logits)
+        return out
+
+    # ---- checkpoint: a folder of config.json + model.safetensors ------------------------------------
+    def config_json(self, dtype_name: str) -> dict:
+        """config.json for this head, in its format's dialect."""
+        raise NotImplementedError
+
+    @classmethod
+    def claims(cls, d: dict) -> bool:
+        """Whether a parsed config.json is a checkpoint of this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_from_json(cls, d: dict, where: str):
+        """Parsed config.json -> the head's config; CheckpointError naming the problem otherwise."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_target(cls, c, target, where: str) -> None:
+        """Refuse a target this head was not made for (CheckpointError)."""
+        t = target.config
+        if c.hidden_size != t.hidden_size:
+            raise CheckpointError(f"{where}: drafter hidden size {c.hidden_size} != target hidden size {t.hidden_size}")
+        if c.vocab_size != t.vocab_size:
+            raise CheckpointError(f"{where}: drafter vocabulary {c.vocab_size} != target vocabulary {t.vocab_size}")
+
+    def save(self, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+        """Write the folder (weights first, atomically; the embedding is not saved)."""
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu() for k, v in self.state_dict().items()}
+        tmp = out / "model.safetensors.tmp"
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+        tmp.replace(out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(self.config_json(DTYPE_NAMES[dtype]), indent=2) + "\n")
+        return out
+
+    @classmethod
+    def is_checkpoint(cls, path: str | Path) -> bool:
+        p = Path(path) / "config.json"
+        try:
+            return p.is_file() and cls.claims(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    @classmethod
+    def load(cls, path: str | Path, target=None, dtype: torch.dtype = torch.float32):
+        """Load a checkpoint folder; with `target`, check it was made for it and attach the target's
+        embedding. Refuses bad checkpoints with a CheckpointError naming the problem."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_file, w_file = path / "config.json", path / "model.safetensors"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{path}: no config.json (not a {cls.FORMAT} checkpoint folder)")
+        try:
+            d = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+        c = cls.config_from_json(d, str(cfg_file))
+        if not w_file.is_file():
+            raise CheckpointError(f"{path}: no model.safetensors")
+        try:
+            sd = load_file(str(w_file))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{w_file}: unreadable safetensors file ({e})") from e
+        if target is not None:
+            cls.check_target(c, target, str(path))
+        try:
+            model = cls(c)
+        except ValueError as e:
+            raise CheckpointError(f"{cfg_file}: {e}") from e
+        want = model.state_dict()
+        for k in cls.IGNORED_TENSORS:
+            sd.pop(k, None)
+        missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+        if missing:
+            raise CheckpointError(f"{w_file}: tensor(s) missing: {', '.join(missing[:6])}")
+        if unexpected:
+            raise CheckpointError(f"{w_file}: unexpected tensor(s) {', '.join(unexpected[:6])} for this config.json")
+        for k, v in want.items():
+            if tuple(sd[k].shape) != tuple(v.shape):
+                raise CheckpointError(f"{w_file}: tensor {k} has shape {tuple(sd[k].shape)}, config.json implies "
+                                      f"{tuple(v.shape)} (hidden size {c.hidden_size}, draft vocab {c.draft_vocab_size})")
+        model.load_state_dict({k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()})
+        model.to(dtype)
+        if model.use_draft_vocab:
+            tgt = model.draft_to_target()
+            if int(tgt.min()) < 0 or int(tgt.max()) >= c.vocab_size or not bool((tgt[1:] > tgt[:-1]).all()) \
+                    or int(model.t2d.sum()) != c.draft_vocab_size or not bool(model.t2d[tgt].all()):
+                raise CheckpointError(f"{w_file}: d2t / t2d do not form a consistent draft vocabulary mapping")
+        if target is not None:
+            model.set_embedding(target.model.embed_tokens.weight)
+        return model.eval()

@@ -1,0 +1,235 @@
+"""Decoder building blocks shared by the target forward (`model.py`) and the trained draft heads
+(`drafters/eagle3.py`, `drafters/mtp.py`): the CPU matmul helper, RMSNorm, RoPE, attention, MLP and a
+decoder layer, each configured by a `ModelConfig`.
+
+Attention does not own a KV cache. Each call gets a `kv` callback,
+
+    kv(k, v) -> (K, V, mask)    k, v [B, kv_heads, T, head_dim]: this call's keys/values (RoPE applied)
+                                K, V [B, kv_heads, Lk, head_dim] and mask [B, 1, T, Lk] bool: what to attend
+
+so the same module writes into the target's paged slots (`model.py`), into a drafter's own cache
+(serving), or into a growing list of tensors that autograd can see (training-time-test unrolling).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+INVARIANT_ROWS = 64  # rows per GEMM call in invariant mode (bf16 CPU GEMM rows are count-invariant up to here)
+
+KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T, choosing the fastest CPU kernel for decode-sized inputs.
+
+    On CPU, bf16 `F.linear` with a handful of rows is 1.4-1.7x slower than `mv` (one row) or
+    `weight @ x.T` (a few rows) on the same weights (measured on the 2-core dev machine).
+    Large inputs (prefill), other devices, and mixed dtypes (a draft head trained under autocast,
+    which only `F.linear` casts) take the ordinary path.
+
+    invariant=True takes a path whose result for a row does not depend on how many other rows are
+    in the call nor where the row is (checked bit for bit in tests/test_exact_numerics.py): in
+    bf16 `weight @ x.T`, a single row padded to two (no extra cost on this CPU: `mv` can round
+    differently from the GEMM kernel, so it is not used), in fp32 one `mv` per row (MKL's fp32
+    GEMM is not row-invariant, so verifying k + 1 rows then costs k + 1 weight reads). `F.linear`
+    switches kernels with the row count, so without it the same token can round differently in
+    a verify window than in a one-token decode step.
+    """
+    M = x.numel() // x.shape[-1]
+    if x.dtype != weight.dtype or (
+        not invariant and (x.device.type != "cpu" or x.dtype == torch.float32 or M > 16)
+    ):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(M, x.shape[-1])
+    if invariant and x.dtype == torch.float32:  # MKL's fp32 GEMM is not row-invariant: one GEMV per row
+        y = torch.stack([torch.mv(weight, row) for row in x2])
+    elif M == 1 and not invariant:
+        y = torch.mv(weight, x2[0])[None]
+    elif invariant:  # row blocks of a fixed maximum size: oneDNN re-blocks K past ~78 rows, changing the bits
+        y = torch.cat([_gemm_rows(weight, xb) for xb in x2.split(INVARIANT_ROWS)]).contiguous()
+    else:  # dense rows: elementwise ops that follow vectorize a transposed view differently
+        y = (weight @ x2.t()).t().contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _gemm_rows(weight: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """(weight @ xb.T).T; a single row is padded to two so that it goes through the same GEMM kernel as
+    several (same speed as mv): alone, or as the last block of 65, 129, ... rows."""
+    if xb.shape[0] == 1:
+        return (weight @ torch.cat([xb, torch.zeros_like(xb)]).t())[:, :1].t()
+    return (weight @ xb.t()).t()
+
+
+def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights of several projections of the same input into one matrix, and
+    make each module's weight a view into it (no extra memory; one matmul instead of several)."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    b = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    i = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[i : i + n], requires_grad=False)
+        if b is not None:
+            m.bias = nn.Parameter(b[i : i + n], requires_grad=False)
+        i += n
+    return w, b
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast, then scale by w."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False):
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.type_as(x)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables in fp32: positions [...] -> cos, sin [..., head_dim] (angles position * inv_freq)."""
+    f = positions.float()[..., None] * inv_freq.float().to(positions.device)
+    emb = torch.cat((f, f), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def softcapped_attention(q, K, V, mask, scale, cap):
+    rep = q.shape[1] // K.shape[1]
+    K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
+    w = (q @ K.transpose(-1, -2)) * scale
+    w = torch.tanh(w / cap) * cap
+    w = w.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return w @ V
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, RoPE, optional q/k norms and soft-capping.
+
+    `in_dim` (default the hidden size) is the width q/k/v read: EAGLE-3's first draft layer reads
+    concat(embedding, hidden state), twice the hidden size.
+    """
+
+    def __init__(self, c: ModelConfig, in_dim: int | None = None):
+        super().__init__()
+        self.c = c
+        hd, d = c.head_dim, in_dim or c.hidden_size
+        self.q_proj = nn.Linear(d, c.num_heads * hd, bias=c.attention_bias)
+        self.k_proj = nn.Linear(d, c.num_kv_heads * hd, bias=c.attention_bias)
+        self.v_proj = nn.Linear(d, c.num_kv_heads * hd, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias and c.model_type != "qwen2")
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
+            self.k_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
+        self.qkv: tuple | None = None  # fused (weight, bias) once `fuse()` ran
+        self.invariant = False  # batch-invariant matmuls (exact mode)
+
+    def fuse(self):
+        self.qkv = fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KV) -> torch.Tensor:
+        """x: [B, T, in_dim]; cos/sin: [B, 1, T, hd]; kv: see the module docstring."""
+        B, T, _ = x.shape
+        c = self.c
+        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if self.qkv is not None:
+            q, k, v = linear(x, *self.qkv, self.invariant).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = (linear(x, m.weight, m.bias, self.invariant) for m in (self.q_proj, self.k_proj, self.v_proj))
+        q = q.reshape(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # [B, h, T, hd]
+        k = k.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # contiguous q: the CPU flash kernel rounds a strided q differently from a dense one, which
+        # would make a token's bits depend on the verify window width (T = 1 is always dense)
+        q, k = rotate(q, cos, sin).contiguous(), rotate(k, cos, sin)
+        K, V, mask = kv(k, v)
+        # a no-op except under autocast training, where the rotated q/k are fp32 and v is bf16
+        K, V = K.to(q.dtype), V.to(q.dtype)
+        route = getattr(kv, "route", None)  # token trees: queries regrouped into path views (models/paths.py)
+        if route is not None:
+            q = route.gather_queries(q)
+        if c.attn_logit_softcap is None:
+            pad = self.invariant and q.shape[2] == 1  # the CPU kernel has its own path for one query row
+            if pad:
+                q, mask = torch.cat([q, q], dim=2), torch.cat([mask, mask], dim=2)
+            o = F.scaled_dot_product_attention(
+                q, K, V, attn_mask=mask, scale=c.attn_scale, enable_gqa=c.num_heads != c.num_kv_heads
+            )
+            if pad:
+                o = o[:, :, :1]
+        else:
+            o = softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
+        if route is not None:
+            o = route.scatter_outputs(o, B, T)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gelu = c.activation == "gelu_tanh"
+        self.gate_up: tuple | None = None
+        self.invariant = False
+
+    def fuse(self):
+        self.gate_up = fuse_rows(self.gate_proj, self.up_proj)
+
+    def forward(self, x):
+        if self.gate_up is not None:
+            g, u = linear(x, *self.gate_up, self.invariant).chunk(2, dim=-1)
+        else:
+            g = linear(x, self.gate_proj.weight, self.gate_proj.bias, self.invariant)
+            u = linear(x, self.up_proj.weight, self.up_proj.bias, self.invariant)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return linear(g * u, self.down_proj.weight, self.down_proj.bias, self.invariant)
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer: Llama / Qwen (2 norms), or Gemma (a norm after attention and around the MLP)."""
+
+    def __init__(self, c: ModelConfig, attn_in: int | None = None):
+        super().__init__()
+        self.self_attn = Attention(c, attn_in)
+        self.mlp = MLP(c)
+        g = c.gemma_norms
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        if g:
+            self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+            self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
+        self.gemma = g
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KV) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), cos, sin, kv)
+        if self.gemma:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return self.residual_mlp(x + a)
+
+    def residual_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The second half of a Llama-style layer: x + mlp(post_attention_layernorm(x))."""
+        return x + self.mlp(self.post_attention_layernorm(x))
