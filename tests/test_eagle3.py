@@ -169,6 +169,41 @@ def test_greedy_lossless_with_eagle3(family):
     assert sum(s.stats.drafted for s in seqs) > 0
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("tree", ["dynamic:3", "static:2,2,1"])
+def test_greedy_lossless_with_eagle3_trees(family, tree):
+    hf = build_hf(family)
+    target = ours_from_hf(hf)
+    prompts = [random_ids(n, 160, seed=10 + n)[0].tolist() for n in (5, 12, 3, 9)]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain, _ = _engine_run(target, None, prompts, sp)
+    m = random_eagle(target, draft_vocab=100)
+    out, seqs = _engine_run(target, Eagle3Drafter(m, target, 3, 96 + 9), prompts, sp, k=8, draft_tree=tree)
+    assert out == plain
+    assert all(s.stats.drafted > s.stats.forwards for s in seqs)  # trees of several nodes
+
+
+def test_sampled_lossless_tv_eagle3_tree():
+    """Trees of top-k children under sampling: deterministic siblings, the one-hot rule."""
+    import test_sampling_lossless as tsl
+
+    hf = build_hf("llama", seed=3, vocab_size=tsl.V, num_hidden_layers=3)
+    target = ours_from_hf(hf)
+    m = random_eagle(target, draft_vocab=4, counts=torch.tensor([5.0, 5, 1, 5, 5]), aux_layers=[0, 1, 2])
+    n = 1500
+    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=6, draft_tree="dynamic:2", dtype="float32",
+                       max_batch_size=tsl.BATCH, max_model_len=tsl.MAX_LEN)
+    eng = Engine(target, None, cfg, Eagle3Drafter(m, target, tsl.BATCH, tsl.MAX_LEN + 7))
+    seqs = [eng.add_request(tsl.PROMPT, dataclasses.replace(tsl.PLAIN, seed=3000 + i)) for i in range(n)]
+    outs = tsl.run_to_end(eng, seqs)
+    codes = torch.tensor([sum(x * tsl.V ** (tsl.M - 1 - j) for j, x in enumerate(o)) for o in outs])
+    counts = torch.bincount(codes, minlength=tsl.V ** tsl.M).double()
+    exact = tsl.exact_joint(hf, tsl.PLAIN)
+    thr = tsl.null_thresholds(exact, n)["joint"][0]
+    assert sum(s.stats.accepted for s in seqs) > 0 and sum(s.stats.drafted for s in seqs) > sum(s.stats.forwards for s in seqs)
+    assert tsl.tv(counts, exact) < thr, (tsl.tv(counts, exact), thr)
+
+
 def test_greedy_lossless_self_distilled_drafter_accepts():
     """A drafter whose LM head reads the target's own logits can't be trained in a unit test; instead
     a drafter over a 5-token vocab accepts often by chance and must stay token-identical."""

@@ -33,9 +33,11 @@ from torch import nn
 
 from ..models.layers import DecoderLayer, RMSNorm, linear
 from ..sequence import Sequence
-from ..sampling import probs, sample
 from .base import Draft, DrafterBase, register
+from . import expand
 from .head import CheckpointError, DraftHead, layer_config
+
+TREE_SCRATCH = 128  # KV rows past a sequence's end for the nodes a dynamic tree runs (width x depth)
 
 ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -301,7 +303,8 @@ class _State:
 
 
 class Eagle3Drafter(DrafterBase):
-    """Chain drafting with an EAGLE-3 head and its own small KV cache (one slot per sequence)."""
+    """Chain or tree drafting (drafters/expand.py) with an EAGLE-3 (or MTP) head and its own small
+    KV cache (one slot per sequence; draft nodes run in scratch rows past the committed ones)."""
 
     def __init__(self, model: Eagle3Model, target, max_batch: int, max_len: int, name: str = "eagle3"):
         from ..kv import KVCache
@@ -311,8 +314,9 @@ class Eagle3Drafter(DrafterBase):
         self.target_taps = tuple(c.aux_layers)
         self.dtype = model.fc.weight.dtype
         self.device = model.fc.weight.device
-        self.cache = KVCache(c.num_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
-        self.max_len = max_len
+        self.cache = KVCache(c.num_layers, max_batch, max_len + TREE_SCRATCH, c.num_kv_heads, c.head_dim, self.dtype,
+                             self.device)
+        self.max_len = max_len + TREE_SCRATCH
         self._d2t = model.draft_to_target()
 
     def _state(self, seq: Sequence) -> _State:
@@ -333,7 +337,7 @@ class Eagle3Drafter(DrafterBase):
         st.n_obs = start + n
         st.n_real = min(st.n_real, start)
 
-    def _kv(self, l, slots, starts, T):
+    def _kv(self, l, slots, starts, T, mask=None):
         cache = self.cache
         dev = self.device
         # padding rows of a catch-up batch may run past the slot: clamp them onto the last row, which
@@ -342,7 +346,10 @@ class Eagle3Drafter(DrafterBase):
         Lk = int(rows.max()) + 1
         sl = torch.tensor(slots, device=dev)
         j = torch.arange(Lk, device=dev)
-        mask = (j[None, None, :] <= rows[:, :, None])[:, None]  # [B, 1, T, Lk]
+        if mask is None:  # causal over this sequence's rows
+            mask = (j[None, None, :] <= rows[:, :, None])[:, None]  # [B, 1, T, Lk]
+        else:  # a tree: each query's visible rows, given
+            mask = torch.nn.functional.pad(mask, (0, max(0, Lk - mask.shape[-1])))[..., :Lk]
 
         def kv(k, v):  # k, v [B, kvh, T, hd]
             cache.k[l][sl[:, None], :, rows] = k.transpose(1, 2).to(self.dtype)
@@ -396,31 +403,59 @@ class Eagle3Drafter(DrafterBase):
         h, logits = h[ar, last], logits[ar, last]  # [B, H], [B, Vd]
         for (a, e), st in zip(feeds, states):
             st.n_real = e
-        # 2. the chain
-        toks = [[] for _ in run]
-        qs = [[] for _ in run]
-        for j in range(kmax):
-            nxt = []
-            for b, s in enumerate(run):
-                if s.params.greedy:
-                    t = int(self._d2t[int(logits[b].argmax())])
-                else:
-                    full = torch.full((self.model.config.vocab_size,), float("-inf"), device=self.device)
-                    full[self._d2t] = logits[b]
-                    q = probs(full[None], s.params)[0]
-                    t = sample(q, s.generator) if j < ks[idx[b]] else 0
-                    qs[b].append(q)
-                nxt.append(t)
-                if j < ks[idx[b]]:
-                    toks[b].append(t)
-            if j == kmax - 1:
-                break
-            pos0 = torch.tensor([e + j for _, e in feeds], device=self.device)
-            h, logits = self._run(torch.tensor(nxt, device=self.device)[:, None], h[:, None], pos0, slots)
-            h, logits = h[:, 0], logits[:, 0]
+        # 2. chains or trees (expand.py decides which nodes run); node i of sequence b runs in
+        # scratch row e_b + (its run index), at position e_b + depth, reading its parent's state
+        V = self.model.config.vocab_size
+        ends = [e for _, e in feeds]
+        hid = {(b, -1): h[b] for b in range(len(run))}
+        row_of: dict[tuple[int, int], int] = {}
+        used = [0] * len(run)
+
+        def full(lg):  # draft-vocabulary logits [n, Vd] -> target vocabulary [n, V]
+            out = torch.full((lg.shape[0], V), float("-inf"), device=self.device)
+            out[:, self._d2t] = lg.float()
+            return out
+
+        def step(run_nodes, nodes):
+            live = [b for b, r in enumerate(run_nodes) if r]
+            T = max(len(run_nodes[b]) for b in live)
+            ids = torch.zeros(len(live), T, dtype=torch.long, device=self.device)
+            hs = torch.zeros(len(live), T, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+            pos = torch.zeros(len(live), T, dtype=torch.long, device=self.device)
+            vis = []
+            for j, b in enumerate(live):
+                for t, i in enumerate(run_nodes[b]):
+                    node = nodes[b][i]
+                    row_of[(b, i)] = ends[b] + used[b] + t
+                    if row_of[(b, i)] >= self.max_len:
+                        raise RuntimeError(f"draft tree needs more than the {self.max_len} KV rows of the drafter")
+                    ids[j, t], hs[j, t], pos[j, t] = node.token, hid[(b, node.parent)], ends[b] + node.depth
+                    path, a = [], i
+                    while a >= 0:
+                        path.append(row_of[(b, a)])
+                        a = nodes[b][a].parent
+                    vis.append((j, t, list(range(ends[b])) + path))
+                used[b] += len(run_nodes[b])
+            starts = torch.tensor([ends[b] + used[b] - len(run_nodes[b]) for b in live], device=self.device)
+            Lk = max(max(v) for _, _, v in vis) + 1
+            mask = torch.zeros(len(live), 1, T, Lk, dtype=torch.bool, device=self.device)
+            for j, t, rows in vis:
+                mask[j, 0, t, rows] = True
+            for j in range(len(live)):  # padding queries see their own row only (outputs dropped)
+                for t in range(len(run_nodes[live[j]]), T):
+                    mask[j, 0, t, 0] = True
+            kvs = [self._kv(l, [slots[b] for b in live], starts, T, mask) for l in range(len(self.model.layers))]
+            hn, lg = self.model.step(ids, hs, pos, kvs)
+            out = [None] * len(run_nodes)
+            for j, b in enumerate(live):
+                for t, i in enumerate(run_nodes[b]):
+                    hid[(b, i)] = hn[j, t]
+                out[b] = full(lg[j, : len(run_nodes[b])])
+            return out
+
+        out = expand.draft(run, [ks[i] for i in idx], full(logits), step)
         for b, i in enumerate(idx):
-            q = torch.stack(qs[b][: ks[i]]) if qs[b] else None
-            drafts[i] = Draft(toks[b], q)
+            drafts[i] = out[b]
         return drafts
 
     def release(self, seq: Sequence) -> None:
