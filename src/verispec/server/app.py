@@ -144,14 +144,15 @@ def create_app(engine: Engine, model_name: str, limits: ServerLimits | None = No
             if finish == "error":
                 status, code, message = h.error
                 raise APIError(status, message, code=code)
-            n_before = len(stream.ids)
+            before = stream.tokens_released
             delta = stream.push(tokens, final=finish is not None)
+            new = stream.ids[before : stream.tokens_released]  # the tokens of the released text
             if stream.stopped:
-                h.returned = stream.tokens_used  # tokens past the stop string are neither sent nor counted
+                h.returned = stream.tokens_released  # tokens past the stop string are neither sent nor counted
                 worker.release(h, "stop")
-                yield delta, tokens[: max(0, stream.tokens_used - n_before)], "stop"
+                yield delta, new, "stop"
                 return
-            yield delta, tokens, finish
+            yield delta, new, finish
             if finish is not None:
                 return
 
