@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .eagle3 import CheckpointError, Eagle3Config, Eagle3Drafter, Eagle3Model, RMSNorm, _Layer, _lin
+from .eagle3 import CheckpointError, Eagle3Config, Eagle3Drafter, Eagle3Model, RMSNorm, _Layer, _lin, check_config_types
 
 
 class MTPModel(Eagle3Model):
@@ -89,14 +89,21 @@ def load_mtp(path, target=None, dtype: torch.dtype = torch.float32) -> MTPModel:
     from safetensors.torch import load_file
 
     path = Path(path)
-    if not is_mtp_dir(str(path)):
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (not an MTP checkpoint folder)")
+    try:
+        d = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    if not isinstance(d, dict) or d.get("verispec_model_type") != "mtp":
         raise CheckpointError(f"{path}: not an MTP checkpoint (config.json with verispec_model_type 'mtp')")
-    d = json.loads((path / "config.json").read_text())
     d.pop("verispec_model_type"), d.pop("dtype", None)
     try:
         c = Eagle3Config(**d)
     except TypeError as e:
         raise CheckpointError(f"{path}/config.json: {e}") from e
+    check_config_types(c, f"{path}/config.json")
     if target is not None:
         t = target.config
         if (c.hidden_size, c.vocab_size) != (t.hidden_size, t.vocab_size):

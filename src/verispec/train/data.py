@@ -189,6 +189,13 @@ def keep_intact_shards(out: Path, index: dict) -> None:
         return
 
 
+def _save_counts(counts: torch.Tensor, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"counts": counts}, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)
+
+
 def shard_token_counts(path: Path, vocab_size: int) -> torch.Tensor:
     """Counts of the response tokens of one shard (the draft vocabulary is built from them)."""
     from safetensors import safe_open
@@ -253,6 +260,8 @@ def build_dataset(
     counts = torch.zeros(c.vocab_size, dtype=torch.int64)
     for sh in index["shards"]:
         counts += shard_token_counts(out / sh["file"], c.vocab_size)
+    if index["shards"]:  # a kill after the index and before the counts left them stale
+        _save_counts(counts, freq_path)
     mlen = min(max_model_len, c.max_position_embeddings)
     cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4 if drafter else 0,
                        dtype=str(target.dtype).removeprefix("torch."), max_batch_size=batch_size,
@@ -305,8 +314,7 @@ def build_dataset(
         os.replace(tmp, index_path)
         # after the index, and derived from the indexed shards: a kill in between leaves it stale,
         # and the next run (or the trainer, which recounts) never trusts it over the shards
-        save_file({"counts": counts}, str(freq_path) + ".tmp")
-        os.replace(str(freq_path) + ".tmp", freq_path)
+        _save_counts(counts, freq_path)
         written += 1
         if progress:
             el = time.time() - t0

@@ -356,6 +356,8 @@ def train(cfg: TrainConfig, target=None) -> dict:
     if (ck / STATE).is_file():
         step = load_state(ck, model, opt, sched, cfg)
         if dist.main:
+            for leftover in _siblings(ck):  # of a killed save; the checkpoint just loaded is good
+                shutil.rmtree(leftover, ignore_errors=True)
             trim_log(log_path, step)
             print(f"resuming from {ck} at step {step}/{total}", flush=True)
     net = DDP(model) if dist.world > 1 else model
