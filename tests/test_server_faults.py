@@ -433,7 +433,7 @@ def test_serve_logs_its_address_and_drains_on_sigterm(tmp_path):
     hf.save_pretrained(tmp_path)
     TOK.save_pretrained(tmp_path)
     srv = ServerProcess("--model", str(tmp_path), "--dtype", "float32", "--drain-timeout", "1", "--max-model-len",
-                        "4096", "--max-batch-size", "16", threads=1).wait_ready(T)
+                        "4096", "--max-batch-size", "16", threads=1).wait_ready(2 * T)
     try:
         assert f"ready at http://127.0.0.1:{srv.port}/v1" in srv.output()
         body = {"model": str(tmp_path), "prompt": CODE, "max_tokens": 4000, "ignore_eos": True, "stream": True, "n": 16}
