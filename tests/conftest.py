@@ -143,3 +143,29 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+CHAR_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>"]
+
+
+def char_tokenizer(add_bos: bool = True, chat_template: str | None = None):
+    """A real (fast) Hugging Face tokenizer with one token per printable ASCII character, Gemma's
+    special tokens (<bos> = 1, <eos> = 2, <start_of_turn>, <end_of_turn>) and ChatML's; it adds
+    <bos> to plain text like Gemma's when add_bos. Small enough for tiny models' vocabularies."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate(CHAR_SPECIALS + chars)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    if add_bos:
+        tk.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                          special_tokens=[("<bos>", vocab["<bos>"])])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                  pad_token="<pad>", additional_special_tokens=CHAR_SPECIALS[4:])
+    tok.chat_template = chat_template
+    return tok

@@ -9,7 +9,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from conftest import build_hf, ours_from_hf, random_ids
+from conftest import build_hf, char_tokenizer, ours_from_hf, random_ids
 from verispec.bench import prompts as P
 from verispec.bench import report as R
 from verispec.bench.metrics import Trace, equality, first_divergence, speedups, summarize
@@ -59,29 +59,15 @@ def test_unknown_dataset_is_a_user_error(capsys):
     assert "unknown dataset" in capsys.readouterr().err
 
 
-class _CharTokenizer:
-    """Records the text it is given; one id per character."""
-
-    chat_template = None
-    bos_token = "<bos>"
-
-    def __init__(self):
-        self.texts = []
-
-    def __call__(self, text, add_special_tokens=True):
-        self.texts.append((text, add_special_tokens))
-        return type("Enc", (), {"input_ids": [ord(ch) for ch in text]})()
-
-
 def test_gemma_chat_format_and_raw_completion():
-    tok = _CharTokenizer()
+    tok = char_tokenizer()  # adds <bos> to plain text, like Gemma's
     chat = P.Prompt("mtbench", "mtbench/1#2", "writing", "chat", ["Hi?", "More."], answers=["Hello."])
-    P.render(chat, tok, "gemma3_text")
-    assert tok.texts[-1] == ("<bos><start_of_turn>user\nHi?<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
-                             "<start_of_turn>user\nMore.<end_of_turn>\n<start_of_turn>model\n", False)
+    text = ("<start_of_turn>user\nHi?<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+            "<start_of_turn>user\nMore.<end_of_turn>\n<start_of_turn>model\n")
+    assert P.render(chat, tok, "gemma3_text") == [tok.bos_token_id] + tok(text, add_special_tokens=False).input_ids
     code = P.Prompt("humaneval", "humaneval/x", "coding", "completion", ["def f():\n"])
-    assert P.render(code, tok, "gemma3_text") == [ord(ch) for ch in "def f():\n"]
-    assert tok.texts[-1] == ("def f():\n", True)  # the tokenizer adds <bos> itself
+    assert P.render(code, tok, "gemma3_text") == tok("def f():\n").input_ids  # the tokenizer adds <bos> itself
+    assert P.render(code, tok, "gemma3_text")[0] == tok.bos_token_id
 
 
 # ---- metrics from a hand-built trace -------------------------------------------------------

@@ -136,7 +136,7 @@ def test_resume_after_kill_is_exact(tiny, tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     log = [json.loads(x) for x in (tmp_path / "killed" / "train_log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3, 4, 4, 5, 6]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]  # step 4 of the killed run is not repeated
     straight = [json.loads(x) for x in (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["loss"] == straight[-1]["loss"]
 
@@ -295,3 +295,203 @@ def test_prompt_sources_and_sampled_regeneration_is_deterministic(tiny, tmp_path
     build_dataset(target, prompts[:16], tmp_path / "b", [0, 2, 3], **kw)
     a, b = HiddenStateData(tmp_path / "a"), HiddenStateData(tmp_path / "b")
     assert [s.ids.tolist() for s in a.samples] == [s.ids.tolist() for s in b.samples]
+
+
+# ---- crash safety: a kill at any point of a checkpoint save or a data shard write ---------------------
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs (not even `except Exception` blocks)."""
+
+
+class KillAt:
+    """Counts the file-system operations of a save (rmtree, replace, fsync, torch.save) and "kills"
+    the process at operation `at`: before it runs, or for torch.save halfway through its write."""
+
+    def __init__(self, monkeypatch, at: int | None):
+        import shutil
+
+        self.at, self.n = at, 0
+        for mod, name in ((shutil, "rmtree"), (os, "replace"), (os, "fsync"), (torch, "save")):
+            orig = getattr(mod, name)
+            monkeypatch.setattr(mod, name, self._wrap(orig, name))
+
+    def _wrap(self, orig, name):
+        def op(*args, **kw):
+            self.n += 1
+            if self.n == self.at:
+                if name == "save":  # a torch.save cut short: half of the bytes reach the file
+                    import io
+
+                    buf = io.BytesIO()
+                    orig(args[0], buf)
+                    dst = args[1]
+                    data = buf.getvalue()[: len(buf.getvalue()) // 2]
+                    dst.write(data) if hasattr(dst, "write") else Path(dst).write_bytes(data)
+                raise Killed(f"killed at operation {self.n} ({name})")
+            return orig(*args, **kw)
+        return op
+
+
+def _resumed_at(capsys) -> int | None:
+    import re
+
+    m = re.search(r"resuming from .* at step (\d+)/", capsys.readouterr().out)
+    return int(m.group(1)) if m else None
+
+
+def test_checkpoint_save_killed_at_every_point_resumes_from_a_good_checkpoint(tiny, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    target, folder, data, _ = tiny
+    cfg = lambda out, **kw: _cfg(data, out, steps=4, save_every=2, **kw)  # noqa: E731
+    train(cfg(tmp_path / "straight"), target)
+    straight = load_eagle3(tmp_path / "straight", target).state_dict()
+    train(cfg(tmp_path / "base", stop_after=2), target)  # a checkpoint at step 2
+    with monkeypatch.context() as m:  # how many operations does the save at step 4 take?
+        probe = KillAt(m, None)
+        shutil.copytree(tmp_path / "base", tmp_path / "probe")
+        probe.n = 0
+        train(cfg(tmp_path / "probe"), target)
+    n_ops = probe.n
+    assert n_ops >= 8
+    capsys.readouterr()
+    for k in range(1, n_ops + 1):
+        out = tmp_path / f"kill{k}"
+        shutil.copytree(tmp_path / "base", out)
+        with monkeypatch.context() as m:
+            with pytest.raises(Killed):
+                KillAt(m, k)
+                train(cfg(out), target)
+        capsys.readouterr()
+        train(cfg(out), target)  # the same command again
+        assert _resumed_at(capsys) in (2, 4), f"killed at operation {k}: resumed from scratch"
+        trained = load_eagle3(out, target).state_dict()
+        assert all(torch.equal(straight[x], trained[x]) for x in straight), k
+        log = [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()]
+        assert log == [1, 2, 3, 4], (k, log)
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+
+
+def test_killed_between_the_two_renames_resumes_from_the_newer_checkpoint(tiny, tmp_path, capsys):
+    """The layout the kill in issue 15 left: no checkpoint/, the new one in .tmp, the old in .old."""
+    import shutil
+
+    target, folder, data, _ = tiny
+    out = tmp_path / "run"
+    train(_cfg(data, out, steps=6, save_every=2, stop_after=2), target)
+    shutil.copytree(out / "checkpoint", tmp_path / "at2")
+    train(_cfg(data, out, steps=6, save_every=2, stop_after=2), target)  # now at 4
+    (out / "checkpoint").rename(out / "checkpoint.tmp")
+    shutil.copytree(tmp_path / "at2", out / "checkpoint.old")
+    capsys.readouterr()
+    train(_cfg(data, out, steps=6, save_every=2), target)
+    assert _resumed_at(capsys) == 4
+    # with only the old one left (the .tmp half-written), it is the one resumed, and kept until replaced
+    out2 = tmp_path / "run2"
+    shutil.copytree(out, out2)
+    shutil.rmtree(out2 / "checkpoint")
+    shutil.copytree(tmp_path / "at2", out2 / "checkpoint.old")
+    (out2 / "checkpoint.tmp").mkdir()
+    (out2 / "checkpoint.tmp" / "state.pt.part").write_bytes(b"half")
+    capsys.readouterr()
+    train(_cfg(data, out2, steps=6, save_every=2), target)
+    assert _resumed_at(capsys) == 2
+
+
+def test_resume_refuses_changed_arguments_and_names_a_truncated_checkpoint(tiny, tmp_path):
+    from verispec.cli import main
+
+    target, folder, data, _ = tiny
+    out = tmp_path / "run"
+    train(_cfg(data, out, stop_after=3), target)  # checkpoint at 3
+    for change in (dict(batch_size=4), dict(lr=1e-3), dict(ttt_steps=3), dict(method="mtp")):
+        with pytest.raises(ValueError, match="was written with") as e:
+            train(_cfg(data, out, **change), target)
+        key = next(iter(change))
+        assert f"--{key.replace('_', '-')}" in str(e.value)
+    state = out / "checkpoint" / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"{state}: unreadable checkpoint"):
+        train(_cfg(data, out), target)
+    # through the command line: one line, exit code 2
+    args = ["train", "--data", str(data), "--out", str(out), "--model", str(folder), "--no-progress"]
+    assert main(args) == 2
+
+
+def test_truncated_data_shard_is_named_and_regenerated(tiny, tmp_path, capsys):
+    import shutil
+
+    target, folder, data, prompts = tiny
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    shard = copy / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"{shard}: truncated"):
+        HiddenStateData(copy)
+    capsys.readouterr()
+    build_dataset(target, prompts, copy, [0, 2, 3], max_tokens=20, shard_size=16, batch_size=8,
+                  meta={"model": str(folder)})  # the same command again notices it
+    assert "shard-00001.safetensors: truncated" in capsys.readouterr().out
+    a, b = HiddenStateData(data), HiddenStateData(copy)
+    assert [s.ids.tolist() for s in a.samples] == [s.ids.tolist() for s in b.samples]
+    assert all(torch.equal(x.aux, y.aux) for x, y in zip(a.samples, b.samples))
+    assert torch.equal(a.token_counts, b.token_counts)
+
+
+def test_data_killed_at_every_write_counts_each_shard_once(tiny, tmp_path, monkeypatch):
+    """Kill `verispec data` at each replace of the second shard (shard, index, counts), resume: the
+    token counts and the samples are those of an uninterrupted run (not the first shard's twice)."""
+    from safetensors.torch import load_file
+
+    target, folder, data, prompts = tiny
+    kw = dict(max_tokens=20, shard_size=8, batch_size=8, meta={"model": str(folder)}, no_hidden=True)
+    straight = tmp_path / "straight"
+    build_dataset(target, prompts[:16], straight, [0, 2, 3], **kw)
+    want = HiddenStateData(straight).token_counts
+    for k in (1, 2, 3):
+        out = tmp_path / f"kill{k}"
+        build_dataset(target, prompts[:16], out, [0, 2, 3], stop_after_shards=1, **kw)
+        with monkeypatch.context() as m:
+            calls = {"n": 0}
+            orig = os.replace
+
+            def replace(a, b, k=k):
+                calls["n"] += 1
+                if calls["n"] == k:
+                    raise Killed(f"killed at replace {k}")
+                return orig(a, b)
+
+            m.setattr(os, "replace", replace)
+            with pytest.raises(Killed):
+                build_dataset(target, prompts[:16], out, [0, 2, 3], **kw)
+        build_dataset(target, prompts[:16], out, [0, 2, 3], **kw)  # resumed
+        d = HiddenStateData(out)
+        assert torch.equal(d.token_counts, want), k
+        assert torch.equal(load_file(str(out / "token_freq.safetensors"))["counts"], want), k
+        assert [s.ids.tolist() for s in d.samples] == [s.ids.tolist() for s in HiddenStateData(straight).samples]
+
+
+def test_broken_drafter_folders_are_refused_naming_the_problem(tiny, tmp_path):
+    import shutil
+
+    from verispec.drafters import make_drafter
+
+    target, folder, data, _ = tiny
+    make = lambda spec: make_drafter(spec, target, 2, 64, torch.float32, "cpu")  # noqa: E731
+    for method in ("eagle3", "mtp"):
+        good = tmp_path / method
+        train(_cfg(data, good, steps=1, method=method), target)
+        cfg_text = (good / "config.json").read_text()
+        broken = tmp_path / f"{method}-broken"
+        shutil.copytree(good, broken)
+        (broken / "config.json").write_text(cfg_text[:-20])  # a bare folder, config.json cut short
+        for spec in (str(broken), f"{method}:{broken}"):
+            with pytest.raises(ValueError) as e:
+                make(spec)
+            assert f"{broken / 'config.json'}" in str(e.value) and "unknown drafter" not in str(e.value), str(e.value)
+        cfg = json.loads(cfg_text)
+        layer = cfg["transformer_layer_config"] if method == "eagle3" else cfg
+        layer["hidden_size"] = str(target.config.hidden_size)  # "64", not 64
+        (broken / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match="hidden_size must be a non-negative integer, got '64'") as e:
+            make(str(broken))
+        assert "64 != 64" not in str(e.value)

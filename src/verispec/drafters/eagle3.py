@@ -149,6 +149,12 @@ class Eagle3Config:
             aux = d.get("eagle_aux_hidden_state_layer_ids")
             if aux is None:
                 raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids is missing")
+            _check_ints(tl, where, "transformer_layer_config.", "hidden_size", "vocab_size", "intermediate_size",
+                        "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",
+                        "max_position_embeddings")
+            _check_ints(d, where, "", "draft_vocab_size")
+            if not isinstance(aux, list) or not all(_is_int(i) for i in aux):
+                raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of integers, got {aux!r}")
             ths = d.get("target_hidden_size")
             if ths is not None and ths != H:
                 raise CheckpointError(f"{where}: target_hidden_size {ths} != draft hidden size {H} (not supported)")
@@ -163,8 +169,36 @@ class Eagle3Config:
                 speculative_tokens=props[0].get("speculative_tokens", 3), verifier=ver.get("name_or_path"),
                 verifier_architectures=list(ver.get("architectures") or []),
             )
+        except CheckpointError:
+            raise
         except KeyError as e:
             raise CheckpointError(f"{where}: required field {e} is missing") from e
+        except (TypeError, ValueError, AttributeError) as e:  # e.g. head_dim derived from a hidden size that is a string
+            raise CheckpointError(f"{where}: {e}") from e
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_ints(d: dict, where: str, prefix: str, *keys: str) -> None:
+    """Integer fields must be JSON integers: a hidden size of "640" would otherwise end in
+    messages like "640 != 640" or a shape error deep in the model."""
+    for k in keys:
+        v = d.get(k)
+        if v is not None and (not _is_int(v) or v < 0):
+            raise CheckpointError(f"{where}: {prefix}{k} must be a non-negative integer, got {v!r}")
+
+
+INT_FIELDS = ("hidden_size", "vocab_size", "draft_vocab_size", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "num_layers", "max_position_embeddings", "speculative_tokens")
+
+
+def check_config_types(c: "Eagle3Config", where: str) -> None:
+    """The types of a config built from a verispec (MTP) config.json, checked the same way."""
+    _check_ints(vars(c), where, "", *INT_FIELDS)
+    if not isinstance(c.aux_layers, list) or not all(_is_int(i) for i in c.aux_layers):
+        raise CheckpointError(f"{where}: aux_layers must be a list of integers, got {c.aux_layers!r}")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

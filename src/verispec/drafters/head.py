@@ -199,11 +199,16 @@ class DraftHead(nn.Module):
 
     @classmethod
     def is_checkpoint(cls, path: str | Path) -> bool:
+        """A folder of this format, or one whose config.json cannot be read at all (then the loader
+        names the broken file instead of the drafter spec being called unknown)."""
         p = Path(path) / "config.json"
-        try:
-            return p.is_file() and cls.claims(json.loads(p.read_text()))
-        except (OSError, json.JSONDecodeError):
+        if not p.is_file():
             return False
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return True
+        return not isinstance(d, dict) or cls.claims(d)
 
     @classmethod
     def load(cls, path: str | Path, target=None, dtype: torch.dtype = torch.float32):
@@ -218,8 +223,10 @@ class DraftHead(nn.Module):
             raise CheckpointError(f"{path}: no config.json (not a {cls.FORMAT} checkpoint folder)")
         try:
             d = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{cfg_file}: not a JSON object")
         c = cls.config_from_json(d, str(cfg_file))
         if not w_file.is_file():
             raise CheckpointError(f"{path}: no model.safetensors")

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..models.layers import RMSNorm, linear
 from .base import register
-from .eagle3 import Eagle3Config, Eagle3Drafter
+from .eagle3 import Eagle3Config, Eagle3Drafter, check_config_types
 from .head import CheckpointError, DraftHead
 
 
@@ -64,9 +64,11 @@ class MTPModel(DraftHead):
             raise CheckpointError(f"{where}: not an MTP checkpoint (verispec_model_type is not 'mtp')")
         fields = {k: v for k, v in d.items() if k not in ("verispec_model_type", "dtype")}
         try:
-            return Eagle3Config(**fields)
+            c = Eagle3Config(**fields)
         except TypeError as e:
             raise CheckpointError(f"{where}: {e}") from e
+        check_config_types(c, where)
+        return c
 
 
 def is_mtp_dir(path: str) -> bool:

@@ -1,44 +1,84 @@
-"""`verispec serve`: load the target and drafter, start the HTTP server."""
+"""`verispec serve`: load the target and drafter, start the HTTP server, drain it on SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
 
+DESCRIPTION = """\
+An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics) that decodes with speculative decoding: every output is what the target alone gives.
+Requests join the running batch at every step. On SIGTERM or Ctrl-C the server stops taking
+requests, lets running ones finish for up to --drain-timeout seconds, ends the rest with
+finish_reason "abort" (streams still get [DONE]) and exits."""
+
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, far beyond any context served here
+DEFAULT_MAX_PROMPTS = 64
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where there is a default to show (not for unset options or flags)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding")
-    s.add_argument("--model", default="gemma3-270m")
+    s = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding", description=DESCRIPTION,
+                       formatter_class=_Help)
+    s.add_argument("--model", default="gemma3-270m", help="the target: HF folder, .gguf file, or gemma3-270m")
     s.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    s.add_argument("--drafter", default="ngram", help="ngram[:N] | layerskip:N | draft:PATH | none")
-    s.add_argument("-k", "--num-draft-tokens", type=int, default=5)
-    s.add_argument("--dtype", default="bfloat16")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--max-batch-size", type=int, default=32, help="KV slots = requests decoded at once")
-    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--drafter", default="ngram", help="ngram[:N] | layerskip:N | draft:PATH | eagle3:DIR | mtp:DIR | none")
+    s.add_argument("-k", "--num-draft-tokens", type=int, default=5,
+                   help="draft tokens verified per step (a request may ask for fewer with num_draft_tokens)")
+    s.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    s.add_argument("--device", default="cpu", help="torch device")
+    s.add_argument("--max-batch-size", type=int, default=32, help="KV slots = requests decoded at once; more wait")
+    s.add_argument("--max-model-len", type=int, default=2048, help="context per request: prompt + output tokens")
     s.add_argument("--kv-cache-mb", type=float, default=None, help="KV memory budget; refuse to start if the slots need more")
-    s.add_argument("--prefill-chunk", type=int, default=256)
-    s.add_argument("--exact", action="store_true")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per engine step, over all requests")
+    s.add_argument("--exact", action="store_true", help="batch-invariant numerics in fp32 too (bf16 is invariant already)")
+    s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies are refused at once (413)")
+    s.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS,
+                   help="prompts in one /v1/completions request (a list of strings)")
+    s.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="seconds running requests may go on after SIGTERM before they are ended")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..chat import turn_end_ids
     from ..cli import UserError
     from ..engine import LLM
     from ..kv import CacheFullError
-    from ..models import ModelLoadError
-    from .app import create_app
+    from ..models import ModelLoadError, hf_folder
+    from .app import ServerLimits, create_app
+    from .runner import DrainingServer
 
+    for name in ("max_request_bytes", "max_prompts_per_request"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.drain_timeout < 0:
+        raise UserError("--drain-timeout must be >= 0")
     try:
         llm = LLM(args.model, drafter=None if args.drafter in ("none", "") else args.drafter,
                   num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, device=args.device,
                   max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
                   prefill_chunk=args.prefill_chunk, exact=args.exact)
+        stop_ids = turn_end_ids(llm.tokenizer, llm.engine.model.config.model_type, hf_folder(args.model))
     except (ModelLoadError, ValueError, CacheFullError) as e:
         raise UserError(str(e)) from e
-    app = create_app(llm.engine, args.served_model_name or args.model)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    name = args.served_model_name or args.model
+    app = create_app(llm.engine, name, ServerLimits(args.max_request_bytes, args.max_prompts_per_request), stop_ids)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.drain_timeout + 5)
+    server = DrainingServer(config, app.state.worker, args.drain_timeout, name, llm.engine.drafter)
+    server.run()
     return 0

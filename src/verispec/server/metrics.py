@@ -2,7 +2,9 @@
 (`verispec:spec_decode_num_drafts` <-> `vllm:spec_decode_num_drafts`, and so on).
 
 Speculation counters are added when a request ends (finished, stopped or aborted), from that
-request's own statistics, so they always equal the sum over the requests that were served."""
+request's own statistics, so they always equal the sum over the requests that were served.
+Generation tokens count what the client received: tokens generated past a stop string are not.
+Error answers (4xx, 5xx, and errors inside a stream) are counted by status and reason."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class Metrics:
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed", ["model_name"], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", ["model_name"], registry=r)
         self.requests = Counter(P + "request_success", "Finished requests by reason", ["model_name", "finished_reason"], registry=r)
+        self.errors = Counter(P + "request_errors", "Error answers by HTTP status and reason (the error code)",
+                              ["model_name", "status", "reason"], registry=r)
         self.running = Gauge(P + "num_requests_running", "Requests in the running batch", ["model_name"], registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a KV slot", ["model_name"], registry=r)
         self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of KV slots in use", ["model_name"], registry=r)
@@ -46,21 +50,29 @@ class Metrics:
             self.drafter_errors.labels(**self._lbl).inc(new_errors)
             self._drafter_errors_seen = eng.drafter_errors
 
+    def error(self, status: int, reason: str | None) -> None:
+        self.errors.labels(status=str(status), reason=reason or "unknown", **self._lbl).inc()
+
     def request_finished(self, handle, reason: str) -> None:
+        """Count one finished sequence (called once per handle, by worker.release)."""
         lbl = self._lbl
-        seq = handle.seq
-        st = seq.stats
         self.requests.labels(finished_reason=reason, **lbl).inc()
-        self.prompt_tokens.labels(**lbl).inc(len(seq.prompt_ids))
-        self.generation_tokens.labels(**lbl).inc(seq.num_output)
+        seq = handle.seq
+        if seq is None:  # never reached the engine
+            return
+        st = seq.stats
+        n_out = handle.num_returned
+        if handle.choice == 0:  # the n choices of a prompt share it: counted once, as in usage
+            self.prompt_tokens.labels(**lbl).inc(len(seq.prompt_ids))
+        self.generation_tokens.labels(**lbl).inc(n_out)
         self.num_drafts.labels(**lbl).inc(st.drafts)
         self.num_draft_tokens.labels(**lbl).inc(st.drafted)
         self.num_accepted.labels(**lbl).inc(st.accepted)
         self.target_forwards.labels(**lbl).inc(st.forwards)
         for pos, n in enumerate(st.accepted_at):
             self.accepted_per_pos.labels(position=str(pos), **lbl).inc(n)
-        if handle.first_token_at is not None and seq.num_output > 1:
-            self.tpot.observe((time.perf_counter() - handle.first_token_at) / (seq.num_output - 1))
+        if handle.first_token_at is not None and n_out > 1:
+            self.tpot.observe((handle.finished_at - handle.first_token_at) / (n_out - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,5 @@
-"""A `verispec serve` subprocess on a free local port: started, waited for, stopped with SIGTERM.
+"""A `verispec serve` subprocess on a free local port: started, waited for, stopped with SIGTERM;
+or an app served in a thread of this process (ThreadServer).
 
 Used by the HTTP load sweep of `verispec bench` and by the server's tests."""
 
@@ -65,6 +66,48 @@ class ServerProcess:
 
     def __enter__(self) -> "ServerProcess":
         return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ThreadServer:
+    """An app from `create_app`, served by uvicorn on a free local port in a thread of this process
+    (the `verispec serve` runner, drain included): for tests that reach into the engine."""
+
+    def __init__(self, app, drain_s: float = 5.0):
+        import threading
+
+        import uvicorn
+
+        from .runner import DrainingServer
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=drain_s + 5)
+        self.server = DrainingServer(config, app.state.worker, drain_s, "test")
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def start(self, timeout: float = 60) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.time() + timeout
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+        return self
+
+    def terminate(self) -> None:
+        """What SIGTERM does to `verispec serve`: drain, then exit."""
+        self.server.handle_exit(signal.SIGTERM, None)
+
+    def stop(self, timeout: float = 60) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "ThreadServer":
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -25,8 +25,6 @@ class Sample:
 
 class HiddenStateData:
     def __init__(self, folder: str | Path, max_len: int | None = None):
-        from safetensors.torch import load_file
-
         folder = Path(folder)
         index_path = folder / "index.json"
         if not index_path.is_file():
@@ -35,8 +33,13 @@ class HiddenStateData:
         self.layers = list(self.index["layers"])
         self.has_hidden = bool(self.index.get("has_hidden", True))
         self.samples: list[Sample] = []
+        V = int(self.index["vocab_size"])
+        # response-token counts for the draft vocabulary, from the shards themselves (a
+        # token_freq.safetensors left stale by a killed `verispec data` is never read)
+        self.token_counts = torch.zeros(V, dtype=torch.int64)
         for sh in self.index["shards"]:
-            t = load_file(str(folder / sh["file"]))
+            t = _load_shard(folder / sh["file"], sh)
+            self.token_counts += torch.bincount(t["input_ids"].long()[t["loss_mask"].bool()], minlength=V)[:V]
             off = t["offsets"].tolist()
             for a, b in zip(off[:-1], off[1:]):
                 if max_len is not None:
@@ -46,8 +49,6 @@ class HiddenStateData:
                 self.samples.append(Sample(
                     t["input_ids"][a:b].long(), t["loss_mask"][a:b].bool(),
                     t["aux"][a:b] if "aux" in t else None, t["last"][a:b] if "last" in t else None))
-        freq = folder / "token_freq.safetensors"
-        self.token_counts = load_file(str(freq))["counts"] if freq.exists() else None
 
     def split(self, val_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         """(train indices, held-out indices). Sample j is held out when a seeded hash of j falls below
@@ -60,6 +61,22 @@ class HiddenStateData:
         if val_fraction > 0 and not val and len(train) > 1:
             val.append(train.pop())
         return train, val
+
+
+def _load_shard(path: Path, entry: dict) -> dict:
+    from safetensors.torch import load_file
+
+    if "bytes" in entry and path.is_file() and path.stat().st_size != entry["bytes"]:
+        raise ValueError(f"{path}: truncated or changed ({path.stat().st_size} bytes; index.json says "
+                         f"{entry['bytes']}); rerun `verispec data` with the same arguments to regenerate it")
+    try:
+        t = load_file(str(path))
+        if not {"input_ids", "loss_mask", "offsets"} <= set(t):
+            raise ValueError("input_ids, loss_mask or offsets missing")
+    except Exception as e:  # noqa: BLE001 - any unreadable shard: name the file, no traceback
+        raise ValueError(f"{path}: unreadable data shard ({type(e).__name__}: {e}); rerun `verispec data` with the "
+                         "same arguments to regenerate it") from e
+    return t
 
 
 def epoch_order(indices: list[int], seed: int, epoch: int) -> list[int]:

@@ -4,8 +4,9 @@
 - training-time test unrolling (`ttt_steps`, loss decay per step), forward KL or CE (losses.py);
 - AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast (CPU and CUDA);
 - a checkpoint every `save_every` steps (model, optimizer, scheduler, RNG states, data position =
-  the global step), written atomically; a killed run restarted with the same command resumes from it
-  and ends with the same weights as an uninterrupted run;
+  the global step), written so that a kill at any point of the save leaves one to resume from; a
+  killed run restarted with the same command resumes from it (and refuses changed arguments) and
+  ends with the same weights and the same train_log.jsonl as an uninterrupted run;
 - data parallel under torchrun (DDP; gloo on CPU): the global batch is split across ranks and loss
   denominators are summed across ranks, so N processes give the weights one process gives;
 - a held-out split evaluated with per-position acceptance estimates; the final drafter is exported
@@ -153,31 +154,128 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
 # checkpoints
 
 
+# The fields a resumed run must share with the run that wrote the checkpoint: any of them changes
+# the batches, the loss or the schedule, so the result would match no uninterrupted run.
+RESUME_FIELDS = ("data", "method", "draft_vocab_size", "ttt_steps", "step_loss_decay", "loss", "lr", "weight_decay",
+                 "warmup_ratio", "min_lr_ratio", "grad_clip", "batch_size", "epochs", "steps", "max_len",
+                 "val_fraction", "seed", "bf16", "fc_norm", "norm_output", "num_layers", "intermediate_size",
+                 "train_lm_head")
+STATE = "state.pt"
+
+
+def _siblings(path: Path) -> tuple[Path, Path]:
+    return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+
+
 def save_state(path: Path, model, opt, sched, step: int, cfg: TrainConfig) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Write the checkpoint `path/state.pt` so that a kill at any point leaves a complete one.
+
+    `tmp/state.pt` appears (by rename) only once it is fully written and synced, so a folder
+    holding a state.pt is always complete. Then path -> old, tmp -> path, old removed. A kill
+    between the two renames leaves no `path`, but a complete `tmp` (and `old`): `recover_state`
+    promotes it before anything is deleted."""
+    tmp, old = _siblings(path)
+    shutil.rmtree(tmp, ignore_errors=True)  # a half-written save of a killed run (recovery ran first)
     tmp.mkdir(parents=True)
-    torch.save({
-        "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        "config": asdict(cfg),
-    }, tmp / "state.pt")
-    old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
+    part = tmp / (STATE + ".part")
+    with open(part, "wb") as f:
+        torch.save({
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "config": asdict(cfg),
+        }, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, tmp / STATE)
+    _fsync_dir(tmp)
     if path.exists():
-        path.rename(old)
-    tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)  # safe: tmp is complete
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_state(path: Path, model, opt, sched) -> int:
-    st = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # not supported on this platform / file system
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def recover_state(path: Path) -> Path | None:
+    """The checkpoint to resume from, after finishing a save that a kill interrupted: if `path` has
+    no state.pt, a complete `tmp` (the newer one) or else `old` is renamed to `path`. Nothing is
+    deleted here; None when there is no checkpoint at all."""
+    if (path / STATE).is_file():
+        return path
+    for cand in _siblings(path):
+        if (cand / STATE).is_file():
+            if path.exists():
+                shutil.rmtree(path)  # a folder without state.pt is never a checkpoint
+            os.replace(cand, path)
+            print(f"recovered the checkpoint of an interrupted save from {cand}", flush=True)
+            return path
+    return None
+
+
+def read_state(path: Path) -> dict:
+    f = path / STATE
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - truncated or foreign: say which file, not a traceback
+        raise ValueError(f"{f}: unreadable checkpoint ({type(e).__name__}: {e}); delete {path} to start the run "
+                         "over") from e
+
+
+def check_resume_config(st: dict, cfg: TrainConfig, path: Path) -> None:
+    """Refuse to resume with arguments that change the training (the checkpoint records them)."""
+    saved = st.get("config") or {}
+    now = asdict(cfg)
+    diff = [k for k in RESUME_FIELDS if k in saved and saved[k] != now[k]]
+    if diff:
+        was = ", ".join(f"{_flag(k)} {saved[k]}" for k in diff)
+        new = ", ".join(f"{_flag(k)} {now[k]}" for k in diff)
+        raise ValueError(f"{path} was written with {was}; this run has {new}. Resume with the same arguments, "
+                         "or train into a new --out")
+
+
+def _flag(name: str) -> str:
+    return {"bf16": "bf16"}.get(name, "--" + name.replace("_", "-"))
+
+
+def load_state(path: Path, model, opt, sched, cfg: TrainConfig | None = None) -> int:
+    st = read_state(path)
+    if cfg is not None:
+        check_resume_config(st, cfg, path)
     model.load_state_dict(st["model"])
     opt.load_state_dict(st["optimizer"])
     sched.load_state_dict(st["scheduler"])
     torch.set_rng_state(st["rng"]["torch"])
     random.setstate(st["rng"]["python"])
     return int(st["step"])
+
+
+def trim_log(log_path: Path, step: int) -> None:
+    """Drop the log records of steps after the checkpoint: a resumed run writes them again."""
+    if not log_path.exists():
+        return
+    keep = []
+    for line in log_path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by the kill
+    tmp = log_path.with_name(log_path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    os.replace(tmp, log_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,10 +348,17 @@ def train(cfg: TrainConfig, target=None) -> dict:
     total = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * per_epoch)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio))
     ck = out / "checkpoint"
+    log_path = out / "train_log.jsonl"
     step = 0
-    if (ck / "state.pt").exists():
-        step = load_state(ck, model, opt, sched)
+    if dist.main:
+        recover_state(ck)
+    dist.barrier()
+    if (ck / STATE).is_file():
+        step = load_state(ck, model, opt, sched, cfg)
         if dist.main:
+            for leftover in _siblings(ck):  # of a killed save; the checkpoint just loaded is good
+                shutil.rmtree(leftover, ignore_errors=True)
+            trim_log(log_path, step)
             print(f"resuming from {ck} at step {step}/{total}", flush=True)
     net = DDP(model) if dist.world > 1 else model
     head, cap, d2t, t2d = _head(model, target)
@@ -263,7 +368,6 @@ def train(cfg: TrainConfig, target=None) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=step, desc=cfg.method, file=sys.stderr, dynamic_ncols=True)
-    log_path = out / "train_log.jsonl"
     out.mkdir(parents=True, exist_ok=True)
     done_this_run = 0
     t0 = time.time()
