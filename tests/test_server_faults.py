@@ -283,6 +283,7 @@ def test_a_vanished_non_streaming_client_frees_its_slot(srv):
     ("POST", "/v1/completions", '{"model": "tiny", "prompt": "x", "stream_options": ' + "{\"a\": " * 40 + "1" + "}" * 41,
      400, "nests"),
     ("POST", "/v1/completions", "[1, 2]", 400, "JSON object"),
+    ("POST", "/v1/completions", json.dumps({"model": NAME, "prompt": "x", "draft_tree": "bush"}), 400, "tree shape"),
     ("GET", "/v1/completions", None, 405, "GET is not allowed"),
     ("GET", "/v1/nothing", None, 404, "no route"),
     ("POST", "/v2/completions", "{}", 404, "no route"),
@@ -465,6 +466,8 @@ def test_64_concurrent_mixed_streams_each_equal_the_same_request_alone(srv):
             body.update(temperature=0)
         if i % 4 == 1:
             body["num_draft_tokens"] = i % 5
+        if i % 4 == 2:  # token trees beside chains in the same batches
+            body["draft_tree"] = "dynamic:3" if i % 8 == 2 else "static:2,1"
         if i % 8 == 3:
             body["stop"] = ["e", "\n\n"]
         reqs.append(body)

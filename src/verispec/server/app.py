@@ -133,7 +133,8 @@ def create_app(engine: Engine, model_name: str, limits: ServerLimits | None = No
 
     def submit(prompt_ids, params: SamplingParams, req, index: int) -> Handle:
         params = dataclasses.replace(params, seed=req.choice_seed(index))
-        h = Handle(prompt_ids, params, req.num_draft_tokens, asyncio.get_running_loop(), choice=index)
+        h = Handle(prompt_ids, params, req.num_draft_tokens, asyncio.get_running_loop(), choice=index,
+                   draft_tree=req.draft_tree)
         worker.submit(h)
         return h
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..cli_help import DRAFTER_HELP, TREE_HELP, HelpFormatter
+
 DESCRIPTION = """\
 An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics) that decodes with speculative decoding: every output is what the target alone gives.
@@ -16,7 +18,7 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, far beyond a
 DEFAULT_MAX_PROMPTS = 64
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
+class _Help(HelpFormatter):
     """Shows "(default: X)" where there is a default to show (not for unset options or flags)."""
 
     def _get_help_string(self, action):
@@ -30,9 +32,10 @@ def add_parser(sub) -> None:
                        formatter_class=_Help)
     s.add_argument("--model", default="gemma3-270m", help="the target: HF folder, .gguf file, or gemma3-270m")
     s.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    s.add_argument("--drafter", default="ngram", help="ngram[:N] | layerskip:N | draft:PATH | eagle3:DIR | mtp:DIR | none")
+    s.add_argument("--drafter", default="ngram", help=DRAFTER_HELP)
     s.add_argument("-k", "--num-draft-tokens", type=int, default=5,
-                   help="draft tokens verified per step (a request may ask for fewer with num_draft_tokens)")
+                   help="draft tokens (tree: nodes) verified per step (a request may ask for fewer with num_draft_tokens)")
+    s.add_argument("--tree", default="chain", help=TREE_HELP + " (a request may choose its own with draft_tree)")
     s.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     s.add_argument("--device", default="cpu", help="torch device")
     s.add_argument("--max-batch-size", type=int, default=32, help="KV slots = requests decoded at once; more wait")
@@ -69,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--drain-timeout must be >= 0")
     try:
         llm = LLM(args.model, drafter=None if args.drafter in ("none", "") else args.drafter,
-                  num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, device=args.device,
+                  num_draft_tokens=args.num_draft_tokens, draft_tree=args.tree, dtype=args.dtype, device=args.device,
                   max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
                   prefill_chunk=args.prefill_chunk, exact=args.exact)
         stop_ids = turn_end_ids(llm.tokenizer, llm.engine.model.config.model_type, hf_folder(args.model))

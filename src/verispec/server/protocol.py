@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
@@ -36,8 +36,19 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     user: str | None = None
-    # verispec extension: draft tokens verified per step for this request (0 turns speculation off)
+    # verispec extensions: draft tokens (tree: nodes) verified per step for this request (0 turns
+    # speculation off; capped by the server's -k), and the draft shape (chain | dynamic[:W] | static:B1,..)
     num_draft_tokens: int | None = Field(None, ge=0, le=64)
+    draft_tree: str | None = None
+
+    @field_validator("draft_tree")
+    @classmethod
+    def _tree_shape(cls, v):
+        if v is not None:
+            from ..drafters.base import TreeShape
+
+            TreeShape.parse(v)  # a ValueError becomes a 400 naming the field
+        return v
 
     @property
     def stop_list(self) -> list[str]:

@@ -41,6 +41,7 @@ class Handle:
     num_draft_tokens: int | None
     loop: asyncio.AbstractEventLoop
     choice: int = 0  # index among the n choices of its prompt (the prompt is counted once, at 0)
+    draft_tree: str | None = None  # the request's draft shape (None: the server's)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (new_tokens, finish_reason | None)
     seq: Sequence | None = None
     arrived: float = field(default_factory=time.perf_counter)
@@ -159,7 +160,7 @@ class EngineWorker:
             return self._fail(h, 400, "invalid_token_id", f"token id {bad} is outside the vocabulary "
                                                            f"(0..{self.vocab_size - 1})")
         try:
-            h.seq = self.engine.add_request(h.prompt_ids, h.params, h.num_draft_tokens)
+            h.seq = self.engine.add_request(h.prompt_ids, h.params, h.num_draft_tokens, h.draft_tree)
         except ValueError as e:  # validated before submission; a last line of defence
             return self._fail(h, 400, "invalid_request", str(e))
         except Exception as e:  # noqa: BLE001
