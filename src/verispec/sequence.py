@@ -11,7 +11,7 @@ from .sampling import SamplingParams
 
 @dataclass
 class SpecStats:
-    """Counted in the acceptance step and nowhere else (see DESIGN.md, metrics vocabulary)."""
+    """Counted in the acceptance step and nowhere else (docs/ARCHITECTURE.md, "Metrics")."""
 
     forwards: int = 0  # target forwards after prefill
     emitted: int = 0  # tokens emitted by those forwards
