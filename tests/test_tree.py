@@ -346,3 +346,35 @@ def test_model_drafter_tree_is_the_best_first_expansion():
     for s in seqs:
         assert s.stats.accepted_at == s.stats.drafted_at and len(s.stats.drafted_at) >= 2
         assert s.stats.drafted > s.stats.accepted  # more nodes than the path: a real tree
+
+
+def test_on_commit_sees_every_committed_token_once_with_its_hidden_state():
+    """Prefill chunks and tree steps: on_commit is told about each committed token exactly once,
+    in order, with the target's hidden state of that token (the accepted path's rows, not the
+    tree's other nodes)."""
+    hf = build_hf("llama")
+    target = ours_from_hf(hf)
+    calls = []
+
+    class Recorder(NgramDrafter):
+        target_taps = (0, -1)
+
+        def on_commit(self, seq, start, hidden):
+            calls.append((start, hidden[0].clone(), hidden[-1].clone()))
+
+    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=8, draft_tree="dynamic:3", dtype="float32",
+                       max_batch_size=1, max_model_len=96, prefill_chunk=5)
+    eng = Engine(target, None, cfg, Recorder())
+    prompt = prompts_for(hf.config.vocab_size, lengths=(11,))[0]
+    seq = eng.add_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    while eng.has_work:
+        eng.step()
+    assert seq.stats.accepted > 0
+    starts = [c[0] for c in calls]
+    lengths = [c[1].shape[0] for c in calls]
+    assert starts == [sum(lengths[:i]) for i in range(len(calls))]  # contiguous, no gaps, no repeats
+    n = sum(lengths)
+    assert n == len(seq.tokens) - 1 or n == len(seq.tokens)  # everything but (at most) the last token
+    ref = target(torch.tensor([seq.tokens[:n]]), target.new_cache(1, 128), [0], torch.tensor([0]), taps=(0,))
+    torch.testing.assert_close(torch.cat([c[1] for c in calls]), ref.hidden[0][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([c[2] for c in calls]), ref.last_hidden[0], rtol=1e-4, atol=1e-4)
