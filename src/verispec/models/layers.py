@@ -122,6 +122,34 @@ def softcapped_attention(q, K, V, mask, scale, cap):
     return w @ V
 
 
+INVARIANT_QUERIES = 8  # queries per attention call in invariant mode (see `attend`)
+
+
+def attend(q, K, V, mask, scale: float, softcap: float | None = None, invariant: bool = False) -> torch.Tensor:
+    """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd].
+
+    invariant=True gives every query row the bits it gets alone: the CPU flash kernel computes a
+    row differently once a call holds more than about 10 queries (measured in bf16 at head_dim 256:
+    rows of an 11..40-query call differ from the same rows alone; tests/test_exact_numerics.py),
+    and has its own path for one query. So queries go in blocks of at most INVARIANT_QUERIES, and
+    a lone query is padded to two."""
+    if not invariant:
+        return _attend_once(q, K, V, mask, scale, softcap)
+    outs = []
+    for qb, mb in zip(q.split(INVARIANT_QUERIES, dim=2), mask.split(INVARIANT_QUERIES, dim=2)):
+        if qb.shape[2] == 1:
+            outs.append(_attend_once(torch.cat([qb, qb], 2), K, V, torch.cat([mb, mb], 2), scale, softcap)[:, :, :1])
+        else:
+            outs.append(_attend_once(qb.contiguous(), K, V, mb, scale, softcap))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+
+def _attend_once(q, K, V, mask, scale, softcap):
+    if softcap is not None:
+        return softcapped_attention(q, K, V, mask, scale, softcap)
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != K.shape[1])
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA, RoPE, optional q/k norms and soft-capping.
 
@@ -169,17 +197,7 @@ class Attention(nn.Module):
         route = getattr(kv, "route", None)  # token trees: queries regrouped into path views (models/paths.py)
         if route is not None:
             q = route.gather_queries(q)
-        if c.attn_logit_softcap is None:
-            pad = self.invariant and q.shape[2] == 1  # the CPU kernel has its own path for one query row
-            if pad:
-                q, mask = torch.cat([q, q], dim=2), torch.cat([mask, mask], dim=2)
-            o = F.scaled_dot_product_attention(
-                q, K, V, attn_mask=mask, scale=c.attn_scale, enable_gqa=c.num_heads != c.num_kv_heads
-            )
-            if pad:
-                o = o[:, :, :1]
-        else:
-            o = softcapped_attention(q, K, V, mask, c.attn_scale, c.attn_logit_softcap)
+        o = attend(q, K, V, mask, c.attn_scale, c.attn_logit_softcap, self.invariant)
         if route is not None:
             o = route.scatter_outputs(o, B, T)
         return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)
