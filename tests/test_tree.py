@@ -37,16 +37,18 @@ def _trie(tokens, budget, tree="dynamic:4", max_n=3):
 
 
 def test_trie_merges_the_continuations_of_every_match():
-    # "1 2" occurs three times, followed by 3 4 | 3 5 | 7; the sequence ends with "1 2"
-    d = _trie([1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 7, 9, 1, 2], budget=6, max_n=2)
+    # "1 2" occurs three times, followed by 3 4 | 3 5 | 7; the sequence ends with "9 1 2", which the
+    # later two occurrences share (3 tokens of context), the first only "1 2" (2 tokens)
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 9, 1, 2, 7, 9, 1, 2]
+    d = _trie(seq, budget=16, max_n=2)
     nodes = list(zip(d.tokens, d.parents))
     assert all(p < i for i, p in enumerate(d.parents))  # parents come first
-    # root children: 3 (two matches) before 7 (one); 3's children 4 and 5, most recent first
-    assert nodes[0] == (3, -1)
+    assert nodes[0] == (3, -1)  # two occurrences continue with 3: votes 3 + 2
     assert (7, -1) in nodes
     kids_of_3 = [t for t, p in nodes if p == 0]
-    assert kids_of_3[:2] == [5, 4]
-    assert len(d.tokens) == 6
+    assert kids_of_3 == [5, 4]  # the continuation with the longer shared context first
+    small = _trie(seq, budget=6, max_n=2)
+    assert len(small.tokens) == 6 and 4 not in small.tokens  # the weakest branch is dropped first
 
 
 def test_trie_respects_budget_and_branching():

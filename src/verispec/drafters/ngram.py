@@ -5,8 +5,9 @@ output), find their most recent earlier occurrence that is followed by k tokens,
 tokens that followed it.
 
 Tree: the continuations of several earlier occurrences, merged into a trie. Every occurrence of
-the last n tokens (n = max_n..min_n, the most recent `max_matches` of each length) votes with
-weight n for each node on its continuation; the budget keeps the highest-voted nodes (a child
+the last n tokens (n = max_n..min_n, the most recent `max_matches` of each length) votes for each
+node on its continuation with the length of the context it shares with the sequence's end (up
+to 16 tokens: a longer shared context predicts a surer continuation); the budget keeps the highest-voted nodes (a child
 never outvotes its parent, so the kept nodes form a tree), siblings ordered by votes, then by
 recency. Costs no model call, so it pays off whenever the output copies from the prompt or from
 itself (code, edits, summaries, repetitive text).
@@ -56,10 +57,15 @@ class NgramDrafter(DrafterBase):
         # trie: node -> {token: child}; votes and recency per node
         kids: list[dict[int, int]] = [{}]
         votes, recent, depth, parent, token = [0.0], [0], [0], [-1], [-1]
+        seen: set[int] = set()
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             windows = sliding_window_view(arr[: L - 1], n)  # [L - n, n]
             hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))[-self.max_matches:]
             for h in hits[::-1]:  # most recent first
+                if h + n in seen:  # the same continuation, already voted for by a longer suffix
+                    continue
+                seen.add(int(h + n))
+                w = _match_length(arr, int(h) + n, L, n)  # a longer shared context: a surer continuation
                 node = 0
                 for t in arr[h + n : min(L, h + n + budget)].tolist():
                     child = kids[node].get(t)
@@ -72,7 +78,7 @@ class NgramDrafter(DrafterBase):
                         depth.append(depth[node] + 1)
                         parent.append(node)
                         token.append(t)
-                    votes[child] += n
+                    votes[child] += w
                     node = child
         # best-first over the trie: a node can be taken once its parent is, at most
         # shape.children(depth) children per node
@@ -92,6 +98,14 @@ class NgramDrafter(DrafterBase):
             frontier += list(kids[c].values())
         # parents before children: chosen order already has that (a child enters the frontier after its parent)
         return Draft([token[c] for c in chosen], None, [index[parent[c]] for c in chosen])
+
+
+def _match_length(arr: np.ndarray, end: int, L: int, n: int, cap: int = 16) -> int:
+    """How many tokens before `end` equal the tokens before the sequence's end (at least n)."""
+    m = n
+    while m < cap and end - m - 1 >= 0 and arr[end - m - 1] == arr[L - m - 1]:
+        m += 1
+    return m
 
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
