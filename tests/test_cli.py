@@ -338,3 +338,36 @@ def test_json_output_with_compare():
     assert s["target_forwards"] * s["tau"] == pytest.approx(11, abs=0.01)  # tokens after the prefill's first
     for key in ("acceptance_rate", "acceptance_per_position_conditional"):
         assert key in s
+
+
+def test_conversion_is_announced_as_information(tmp_path, monkeypatch):
+    """A first-use GGUF conversion prints `verispec: converting ...`, not a WARNING."""
+    import logging
+
+    import transformers
+
+    from verispec import cli
+    from verispec.models import ModelLoadError
+    from verispec.models.loading import _convert_gguf
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 32)
+
+    def stop(*a, **k):
+        raise OSError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", stop)
+    cli._setup_logging()  # what `verispec` does first
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("verispec").addHandler(handler)
+    try:
+        with pytest.raises(ModelLoadError, match="stop here"):
+            _convert_gguf(f, tmp_path / "out")
+    finally:
+        logging.getLogger("verispec").removeHandler(handler)
+    (r,) = [r for r in records if "converting" in r.getMessage()]
+    assert r.levelno == logging.INFO and "m.gguf" in r.getMessage()
+    info = [h for h in logging.getLogger("verispec").handlers if getattr(h, "verispec_info", False)]
+    assert len(info) == 1 and info[0].format(r).startswith("verispec: converting m.gguf")

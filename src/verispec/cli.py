@@ -52,7 +52,10 @@ def _extra_commands():
 
 def _setup_logging() -> None:
     """Warnings as `WARNING name: message`; verispec's information lines (a first-use conversion)
-    as `verispec: message`."""
+    as `verispec: message`. Once per process (tests call main() many times)."""
+    own = logging.getLogger("verispec")
+    if any(getattr(h, "verispec_info", False) for h in own.handlers):
+        return
     warn = logging.StreamHandler()
     warn.setLevel(logging.WARNING)
     warn.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
@@ -60,7 +63,7 @@ def _setup_logging() -> None:
     info = logging.StreamHandler()
     info.addFilter(lambda r: r.levelno == logging.INFO)
     info.setFormatter(logging.Formatter("verispec: %(message)s"))
-    own = logging.getLogger("verispec")
+    info.verispec_info = True
     own.setLevel(logging.INFO)
     own.addHandler(info)
 
