@@ -145,8 +145,8 @@ print(sorted(m for m in ("torch", "transformers", "fastapi", "verispec.engine") 
 """
 
 
-@pytest.mark.parametrize("argv", [["--help"], *[[c, "--help"] for c in ("generate", "serve", "bench", "data", "train",
-                                                                        "export")]])
+# generate, serve and bench list the registered drafters in their help (cli_help), which imports them
+@pytest.mark.parametrize("argv", [["--help"], *[[c, "--help"] for c in ("data", "train", "export")]])
 def test_help_does_not_import_torch(argv):
     r = subprocess.run([sys.executable, "-c", HELP_IMPORTS.format(argv=argv)], capture_output=True, text=True,
                        timeout=120)
