@@ -50,17 +50,30 @@ def _extra_commands():
     return [bench, serve, *train_data_export()]
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record, not as it was when the handler was made (main()
+    may run several times in one process, e.g. in tests that capture stderr)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def _setup_logging() -> None:
     """Warnings as `WARNING name: message`; verispec's information lines (a first-use conversion)
     as `verispec: message`. Once per process (tests call main() many times)."""
     own = logging.getLogger("verispec")
     if any(getattr(h, "verispec_info", False) for h in own.handlers):
         return
-    warn = logging.StreamHandler()
+    warn = _Stderr()
     warn.setLevel(logging.WARNING)
     warn.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[warn])
-    info = logging.StreamHandler()
+    info = _Stderr()
     info.addFilter(lambda r: r.levelno == logging.INFO)
     info.setFormatter(logging.Formatter("verispec: %(message)s"))
     info.verispec_info = True
