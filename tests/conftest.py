@@ -169,3 +169,41 @@ def char_tokenizer(add_bos: bool = True, chat_template: str | None = None):
                                   pad_token="<pad>", additional_special_tokens=CHAR_SPECIALS[4:])
     tok.chat_template = chat_template
     return tok
+
+
+# --------------------------------------------------------------------------------------------
+# `pytest -m "not slow"`: the fast subset (README.md, "Tests"). A test is slow when it loads the
+# real model (marker real_model) or runs for more than about 5 s on 2 cores: the statistical
+# sampled-output checks (thousands of seeded requests each), multi-process training, and servers
+# under load or in a subprocess. They are listed here, in one place, rather than
+# marked in each file.
+SLOW = (
+    "test_sampling_lossless.py::test_sampled_output_distribution_is_the_targets",
+    "test_sampling_lossless.py::test_check_has_teeth",
+    "test_tree.py::test_tree_sampling_is_distributed_as_the_target",
+    "test_tree.py::test_tree_check_has_teeth",
+    "test_eagle3.py::test_sampled_lossless_tv",
+    "test_bench.py::test_sampled_check_passes_and_catches_a_biased_acceptor",
+    "test_train_eagle3.py::test_ddp_two_processes_equal_one",
+    "test_server_faults.py::test_64_concurrent_mixed_streams_each_equal_the_same_request_alone",
+    "test_server_faults.py::test_body_limit_is_answered_at_once_and_tokenization_never_stalls_the_loop",
+    "test_server_faults.py::test_serve_logs_its_address_and_drains_on_sigterm",
+    "test_server_faults.py::test_a_fault_in_any_engine_step_fails_only_that_steps_requests",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.nodeid.split("/")[-1].split("[")[0]
+        if item.get_closest_marker("real_model") or name.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """Commands run in-process (`verispec.cli.main`) set torch's thread count; bits depend on it,
+    so every test starts with the count the session started with."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import build_hf, char_tokenizer, ours_from_hf, random_ids
-from verispec.bench import prompts as P
+from verispec import prompts as P
 from verispec.bench import report as R
 from verispec.bench.metrics import Trace, equality, first_divergence, speedups, summarize
 from verispec.bench.peers import hf_methods

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import char_tokenizer
-from verispec.bench import prompts as P
+from verispec import prompts as P
 from verispec.chat import encode_chat, render_chat, turn_end_ids
 from verispec.train.data import encode_prompt
 

@@ -77,7 +77,7 @@ def test_bf16_batched_and_chunked_equals_alone(tok):
     """Default bf16 mode: a request's greedy output does not depend on who shares its batch nor on
     how its prompt was cut into prefill chunks (prompts of 31-132 tokens, 48-token chunk budget,
     decode batches of up to 8 x 6 rows), with and without speculation."""
-    from verispec.bench import prompts as P
+    from verispec import prompts as P
 
     model = load_model("gemma3-270m", dtype=torch.bfloat16)
     ps = P.load(["mtbench", "humaneval"], limit=4)

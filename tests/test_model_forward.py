@@ -392,10 +392,6 @@ def test_bf16_smoke(family):
 @pytest.mark.parametrize("family", ["llama_linear", "gemma3"])
 @torch.no_grad()
 def test_fused_forward_matches_unfused(family, dtype):
-    from verispec.models.model import CausalLM
-
-    if not hasattr(CausalLM, "fuse"):
-        pytest.skip("no CausalLM.fuse")
     hf = build_hf(family, seed=4).to(dtype)
     plain, fused = ours_from_hf(hf), ours_from_hf(hf).fuse()
     assert sorted(fused.state_dict()) == sorted(plain.state_dict())  # names unchanged
@@ -413,10 +409,6 @@ def test_fused_forward_matches_unfused(family, dtype):
 
 @torch.no_grad()
 def test_fuse_then_to_dtype():
-    from verispec.models.model import CausalLM
-
-    if not hasattr(CausalLM, "fuse"):
-        pytest.skip("no CausalLM.fuse")
     hf = build_hf("llama", seed=4)
     ours = ours_from_hf(hf).fuse().to(torch.bfloat16)
     ids = random_ids(6, hf.config.vocab_size, seed=92)

@@ -71,7 +71,11 @@ def test_completion_stream_equals_non_stream_and_speculation_off(client):
     on = client.completions.create(model=MODEL, prompt=CODE, max_tokens=32, temperature=0,
                                    extra_body={"num_draft_tokens": 3})
     assert on.choices[0].text == text and on.model_extra["verispec"]["drafts"] > 0
-    assert max(len(on.model_extra["verispec"]["acceptance_per_position_unconditional"]), 0) <= 3
+    v = on.model_extra["verispec"]
+    per_pos = v["acceptance_per_position_unconditional"]
+    assert 1 <= len(per_pos) <= 3  # one entry per draft position, at most the request's 3
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # position k is accepted only after k - 1
+    assert abs(sum(per_pos) * v["drafts"] - v["accepted_tokens"]) < 0.01 * v["drafts"]
 
 
 def test_stop_strings_inside_accepted_runs(client, server):

@@ -1,56 +1,41 @@
-"""`verispec` command line: parsing and printing only; the work happens in the engine."""
+"""`verispec` command line: parsing and printing only; the work happens in the engine.
+
+Building the parser imports no torch (`verispec --help` answers at once): every command's parser
+lives in a torch-free module, and each command imports what it runs inside its own function.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import sys
 
-EXIT_USER_ERROR = 2
+from .errors import EXIT_USER_ERROR, UserError
+from .options import Parser, engine_options, int_range
+from .threads import prefer_passive_waits, setup_threads
+
+__all__ = ["EXIT_USER_ERROR", "UserError", "build_parser", "main"]
 
 
-class UserError(Exception):
-    """Bad input from the user: printed as one line, no traceback."""
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="verispec", description="Lossless speculative decoding for Hugging Face LLMs.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    from .cli_help import DRAFTER_HELP, TREE_HELP, HelpFormatter
-
-    g = sub.add_parser("generate", help="generate continuations of prompts, with speculation", formatter_class=HelpFormatter)
+def build_parser() -> Parser:
+    p = Parser(prog="verispec", description="Lossless speculative decoding for Hugging Face LLMs.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    g = sub.add_parser("generate", parents=[engine_options()], help="generate continuations of prompts, with speculation",
+                       description="Decode prompts with speculation (greedy output equals the target's own greedy "
+                                   "output); --compare also decodes without it and reports the speed-up.")
     g.add_argument("prompts", nargs="*", help="prompt text(s); several prompts run as one batch")
-    g.add_argument("--prompts-file", help="a file with one prompt per line (or a .jsonl with a 'prompt' field)")
-    g.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf file, or 'gemma3-270m' (default)")
-    g.add_argument("--drafter", default="ngram", help=DRAFTER_HELP)
-    g.add_argument("-k", "--num-draft-tokens", type=int, default=5, help="draft tokens (tree: nodes) verified per step")
-    g.add_argument("--tree", default="chain", help=TREE_HELP)
-    g.add_argument("--max-tokens", type=_positive_int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--prompts-file", help="a file with one prompt per line, or a .jsonl with a 'prompt' field per line")
+    g.add_argument("--max-tokens", type=int_range(1), default=128, help="new tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--max-model-len", type=_positive_int, default=2048)
-    g.add_argument("--exact", action="store_true",
-                   help="batch-invariant numerics in fp32 too (bf16 is invariant already)")
     g.add_argument("--compare", action="store_true", help="also decode without speculation and report the speed-up")
     g.add_argument("--json", action="store_true", help="print one JSON document (token ids, text, statistics)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.set_defaults(run=cmd_generate)
-    for add in EXTRA_COMMANDS:
+    for add in _extra_commands():
         add(sub)
     return p
 
@@ -65,12 +50,41 @@ def _extra_commands():
     return [bench, serve, *train_data_export()]
 
 
-EXTRA_COMMANDS = _extra_commands()
+class _Stderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record, not as it was when the handler was made (main()
+    may run several times in one process, e.g. in tests that capture stderr)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def _setup_logging() -> None:
+    """Warnings as `WARNING name: message`; verispec's information lines (a first-use conversion)
+    as `verispec: message`. Once per process (tests call main() many times)."""
+    own = logging.getLogger("verispec")
+    if any(getattr(h, "verispec_info", False) for h in own.handlers):
+        return
+    warn = _Stderr()
+    warn.setLevel(logging.WARNING)
+    warn.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[warn])
+    info = _Stderr()
+    info.addFilter(lambda r: r.levelno == logging.INFO)
+    info.setFormatter(logging.Formatter("verispec: %(message)s"))
+    info.verispec_info = True
+    own.setLevel(logging.INFO)
+    own.addHandler(info)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _setup_logging()
+    prefer_passive_waits()  # before any command imports torch
     try:
         return args.run(args) or 0
     except UserError as e:
@@ -78,44 +92,71 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
 
 
-def _prompts(args) -> list[str]:
+def read_prompts(args) -> list[str]:
+    """The prompts on the command line, then those of --prompts-file; refuses an empty prompt
+    (it would decode from <bos> alone) and a file that cannot be read as prompts."""
     prompts = list(args.prompts)
     if args.prompts_file:
-        if not os.path.exists(args.prompts_file):
-            raise UserError(f"prompts file not found: {args.prompts_file}")
-        with open(args.prompts_file) as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                prompts.append(json.loads(line)["prompt"] if args.prompts_file.endswith(".jsonl") else line)
+        prompts += _prompts_file(args.prompts_file)
     if not prompts:
         raise UserError("no prompt given (pass text, or --prompts-file)")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UserError(f"prompt {i + 1} is empty (it would decode from <bos> alone); give some text")
     return prompts
 
 
-def cmd_generate(args) -> int:
-    import torch
+def _prompts_file(path: str) -> list[str]:
+    if os.path.isdir(path):
+        raise UserError(f"--prompts-file {path} is a directory, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise UserError(f"prompts file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --prompts-file {path}: {e}") from None
+    if not path.endswith(".jsonl"):
+        return [line for line in lines if line.strip()]
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f'{path}:{n}: expected an object with a "prompt" string, like {{"prompt": "def f(x):"}}')
+        out.append(row["prompt"])
+    return out
 
-    from .engine import LLM
+
+def cmd_generate(args) -> int:
+    from . import preflight
     from .kv import CacheFullError
     from .models import ModelLoadError
     from .sampling import SamplingParams
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    prompts = _prompts(args)
+    prompts = read_prompts(args)
     try:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-        drafter = None if args.drafter in ("none", "") else args.drafter
-        llm = LLM(args.model, drafter=drafter, num_draft_tokens=args.num_draft_tokens, draft_tree=args.tree, dtype=args.dtype,
-                  device=args.device, max_model_len=args.max_model_len, exact=args.exact)
-        ids = [llm.encode(p) for p in prompts]
-        for p, i in zip(prompts, ids):
-            if len(i) + sp.max_tokens > llm.engine.max_len:
-                raise UserError(f"prompt of {len(i)} tokens + --max-tokens {sp.max_tokens} exceeds the context of "
-                                f"{llm.engine.max_len} tokens (raise --max-model-len or shorten the prompt)")
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    threads = setup_threads(args.threads)
+    cfg = preflight.model_config(args.model, args.dtype)
+    max_len = preflight.max_model_len(args.max_model_len, cfg, args.model)
+    tok = preflight.tokenizer(args.model)
+    ids = [list(tok(p).input_ids) for p in prompts]
+    preflight.check_prompt_lengths(ids, sp.max_tokens, max_len)
+
+    from .engine import LLM
+
+    drafter = None if args.drafter in ("none", "") else args.drafter
+    try:
+        llm = LLM(args.model, tokenizer=tok, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
+                  draft_tree=args.tree, dtype=args.dtype, device=args.device, max_model_len=max_len, exact=args.exact)
         llm.generate(ids[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up: first-call allocations
         spec = llm.generate(ids, sp)
         plain = llm.generate(ids, sp, speculative=False) if args.compare and drafter else None
@@ -124,8 +165,7 @@ def cmd_generate(args) -> int:
 
     report = {
         "model": args.model, "drafter": drafter, "num_draft_tokens": args.num_draft_tokens, "tree": args.tree,
-        "dtype": args.dtype,
-        "exact": args.exact, "sampling": sp.__dict__,
+        "dtype": args.dtype, "exact": args.exact, "threads": threads, "sampling": sp.__dict__,
         "outputs": [o.to_dict() for o in spec.outputs],
         "stats": {**spec.stats.to_dict(), "tokens": spec.num_tokens, "seconds": round(spec.seconds, 3),
                   "tokens_per_second": round(spec.tokens_per_second, 2)},
@@ -143,8 +183,8 @@ def cmd_generate(args) -> int:
         print(f"--- prompt: {p!r}")
         print(o.text)
     s = report["stats"]
-    print(f"\n[{drafter or 'no drafter'}, k={args.num_draft_tokens}, {args.tree}, {args.dtype}] {s['tokens']} tokens in "
-          f"{s['seconds']} s = {s['tokens_per_second']} tok/s | tau {s['tau']} tokens/forward | "
+    print(f"\n[{drafter or 'no drafter'}, k={args.num_draft_tokens}, {args.tree}, {args.dtype}, {threads} threads] {s['tokens']} "
+          f"tokens in {s['seconds']} s = {s['tokens_per_second']} tok/s | tau {s['tau']} tokens/forward | "
           f"acceptance {s['acceptance_rate']:.1%} | per position {s['acceptance_per_position_conditional']}")
     if plain is not None:
         b = report["baseline"]

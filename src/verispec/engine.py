@@ -26,6 +26,7 @@ from .drafters import Draft, Drafter, TreeShape, make_drafter
 from .kv import KV_BLOCK, CacheFullError, KVCache, round_up
 from .models import DEFAULT_MODEL, CausalLM, load_model, load_tokenizer
 from .models.paths import PathViews
+from .options import MAX_DRAFT_TOKENS
 from .policy import DraftLengthPolicy, FixedDraftLength
 from .sampling import SamplingParams, probs, sample
 from .sequence import Sequence, SpecStats
@@ -55,8 +56,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+        if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
         if self.max_batch_size < 1 or self.max_model_len < 2:
             raise ValueError("max_batch_size must be >= 1 and max_model_len >= 2")
         TreeShape.parse(self.draft_tree)  # refuse a bad shape up front
@@ -331,11 +332,14 @@ class Engine:
 class LLM:
     """The Python API: `LLM("gemma3-270m", drafter="ngram").generate(["def f(x):"], SamplingParams())`."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+    def __init__(self, model: str = DEFAULT_MODEL, tokenizer=None, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
         c = self.config
         target = load_model(c.model, DTYPES[c.dtype], c.device)
-        self.tokenizer = load_tokenizer(c.model)
+        if "max_model_len" in kwargs and c.max_model_len > target.config.max_position_embeddings:
+            raise ValueError(f"max_model_len {c.max_model_len} exceeds the context of {model} "
+                             f"({target.config.max_position_embeddings} tokens)")
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)
         max_len = min(c.max_model_len, target.config.max_position_embeddings) + c.num_draft_tokens + 1
         drafter = make_drafter(c.drafter, target, c.max_batch_size, max_len, DTYPES[c.dtype], c.device) if c.drafter else None
         self.engine = Engine(target, self.tokenizer, c, drafter)

@@ -1,6 +1,5 @@
-"""`verispec bench`: prompt sets, timed runs, metrics, peers, JSON + Markdown + PNG reports.
+"""`verispec bench`: timed runs, metrics, peers, JSON + Markdown + PNG reports.
 
-prompts.py  prompt sets from installed packages, chat formatting -> token ids
 runner.py   methods (plain, each drafter, each mode), interleaved single-stream runs, in-process load sweep
 server_sweep.py  the load sweep through `verispec serve` processes over HTTP
 sampled.py  the sampled-output distribution check on a subsample (verispec.distcheck)
@@ -9,4 +8,6 @@ metrics.py  traces -> numbers, with the definitions printed in every report
 report.py   the report dict, console and Markdown tables, files
 plots.py    PNG plots
 cli.py      the `bench` subcommand
+
+The prompt sets (MT-Bench, HumanEval, ShareGPT) are in `verispec.prompts`, shared with `verispec data`.
 """

@@ -26,14 +26,15 @@ def _list(s: str) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    from ..cli_help import HelpFormatter
+    from ..options import engine_options
 
-    b = sub.add_parser("bench", formatter_class=HelpFormatter, help="benchmark drafters against plain decoding and peers on standard prompt sets",
+    opts = engine_options(drafter=False, device=False, exact=False,
+                          max_model_len_help="KV rows per sequence (default: longest prompt + max tokens + 8)")
+    b = sub.add_parser("bench", parents=[opts], help="benchmark drafters against plain decoding and peers on standard prompt sets",
                        description="Runs plain decoding and every drafter on the same prompts (interleaved per "
                                    "prompt, order rotated), checks greedy outputs equal plain decoding token for "
                                    "token, and prints speed, tau and acceptance; --report DIR writes JSON, Markdown "
                                    "and PNG plots.")
-    b.add_argument("--model", default="gemma3-270m", help="HF folder, .gguf file, or 'gemma3-270m' (default)")
     b.add_argument("--drafters", type=_list, default=["ngram"],
                    help="comma-separated methods DRAFTER[@tree=SHAPE][@k=N] (plain always runs); DRAFTER is "
                         "{drafters}; SHAPE: chain, dynamic[:W] or static:B1,B2,..; N: draft nodes per step (-k "
@@ -50,8 +51,6 @@ def add_parser(sub) -> None:
     b.add_argument("--seed", type=int, default=0, help="ShareGPT sample seed")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
     b.add_argument("--stop-at-eos", action="store_true", help="stop at <eos> (default: always --max-tokens tokens)")
-    b.add_argument("-k", "--num-draft-tokens", type=int, default=5)
-    b.add_argument("--dtype", default="bfloat16")
     b.add_argument("--modes", type=_list, default=["normal"],
                    help="normal and/or exact (EngineConfig.exact): e.g. normal,exact measures exact mode's cost")
     b.add_argument("--exact-drafters", type=_list, default=None,
@@ -73,9 +72,6 @@ def add_parser(sub) -> None:
                    help="sampled-output distribution check on this many prompts per method: exact distribution of "
                         "3 tokens at T=0.8, top-k 5, top-p 0.95 vs --sample-n seeded requests (default 2; 0: off)")
     b.add_argument("--sample-n", type=int, default=1000, help="requests per sampled check (default 1000)")
-    b.add_argument("--max-model-len", type=int, default=None, help="KV rows per sequence (default: longest prompt "
-                                                                    "+ max tokens + 8)")
-    b.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     b.add_argument("--report", default=None, help="directory for report.json, report.md and the PNG plots")
     b.add_argument("--strict", action="store_true",
                    help="exit 1 if any verispec greedy output differs from plain or a sampled check fails")
@@ -84,8 +80,8 @@ def add_parser(sub) -> None:
 
 
 def _check(args) -> None:
-    from ..cli import UserError
-    from .prompts import DATASETS
+    from ..errors import UserError
+    from ..prompts import DATASETS
 
     args.datasets = list(dict.fromkeys(args.datasets))  # prompt ids must be unique within a run
     bad = [d for d in args.datasets if d not in DATASETS]
@@ -113,23 +109,25 @@ def _check(args) -> None:
 def cmd_bench(args) -> int:
     import torch
 
-    from ..cli import UserError
+    from .. import preflight
+    from .. import prompts as P
     from ..engine import DTYPES
+    from ..errors import UserError
     from ..kv import CacheFullError
     from ..models import ModelLoadError, hf_folder, load_model, load_tokenizer
-    from . import prompts as P
+    from ..threads import setup_threads
     from . import report as R
     from .runner import run_interleaved, run_sweep, verispec_methods
 
     _check(args)
-    if args.dtype not in DTYPES:
-        raise UserError(f"unknown dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    setup_threads(args.threads)
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
     load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     notes = []
     ignore_eos = not args.stop_at_eos
+    cfg = preflight.model_config(args.model, args.dtype)
+    if args.max_model_len is not None:
+        preflight.max_model_len(args.max_model_len, cfg, args.model)
     try:
         prompts = P.load(args.datasets, args.limit, args.mtbench_turns, args.sharegpt_n, args.seed, args.spread)
         log(f"{len(prompts)} prompts; loading {args.model} ({args.dtype})")
@@ -249,7 +247,7 @@ def _fill_second_turns(prompts, target, tok, model_type, args, longest: int) -> 
     """Answer each turn-1 question with plain greedy decoding (untimed) and build the turn-2 prompts."""
     from ..engine import Engine
     from ..sampling import SamplingParams
-    from . import prompts as P
+    from .. import prompts as P
     from .runner import engine_config
 
     first = {p.id: p for p in prompts if not p.needs_history}

@@ -17,7 +17,7 @@ from ..engine import DTYPES, Engine, EngineConfig
 from ..sequence import SpecStats
 from ..sampling import SamplingParams
 from .metrics import Trace, spec_fields
-from .prompts import Prompt
+from ..prompts import Prompt
 
 Result = tuple  # (output_ids, seconds, ttft, first_tokens, forwards | None, SpecStats | None)
 

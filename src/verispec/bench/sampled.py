@@ -20,8 +20,8 @@ import dataclasses
 from typing import Callable
 
 from ..distcheck import ExactDistribution, check_samples, exact_distribution
+from ..prompts import Prompt
 from ..sampling import SamplingParams
-from .prompts import Prompt
 from .runner import build_engine, engine_config, parse_method_spec
 
 SETTINGS = SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.95, ignore_eos=True)

@@ -21,7 +21,7 @@ import httpx
 
 from ..server.process import ServerProcess
 from .metrics import spread
-from .prompts import Prompt
+from ..prompts import Prompt
 from .runner import sweep_requests
 
 

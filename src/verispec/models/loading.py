@@ -62,6 +62,7 @@ def hf_folder(name: str) -> Path:
         return p
     if p.suffix != ".gguf":
         raise ModelLoadError(f"{p} is neither a model folder nor a .gguf file")
+    check_gguf_header(p)
     st = p.stat()
     key = hashlib.sha1(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "converted" / f"{p.stem}-{key}"
@@ -70,19 +71,33 @@ def hf_folder(name: str) -> Path:
     return out
 
 
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what transformers' reader handles (v1 files predate 2023)
+
+
+def check_gguf_header(path: Path) -> None:
+    """Refuse a file whose first 8 bytes are not a GGUF header (the magic, then a known version),
+    before transformers reads it: its own message for a text file is "GGUF v1869488191"."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file: it starts with {head[:4]!r}, not the magic {GGUF_MAGIC!r}")
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if version not in GGUF_VERSIONS:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: the magic {GGUF_MAGIC!r} is followed by "
+                             f"{head[4:8]!r}, not a GGUF version ({' or '.join(map(str, GGUF_VERSIONS))}); "
+                             f"the file is damaged or not GGUF")
+
+
 def _convert_gguf(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.warning("converting %s to a Hugging Face folder (once; cached in %s)", path.name, out)
+    log.info("converting %s to a Hugging Face folder, once (about a minute on 2 cores; cached in %s)",
+             path.name, out)
     try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    except ModelLoadError:
-        raise
     except Exception as e:  # transformers raises many kinds for a broken file
         raise ModelLoadError(f"cannot read GGUF {path}: {type(e).__name__}: {e}") from e
     tmp = out.with_name(out.name + ".tmp")
@@ -115,12 +130,23 @@ def load_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(str(e)) from e
 
 
+def check_dtype(cfg: ModelConfig, dtype: torch.dtype, name: str) -> None:
+    """Refuse a dtype the model cannot run in. Gemma's residual stream grows past float16's largest
+    value (65504): Gemma 3 270M reaches ~68,000 at layer 7 and ~100,000 at layer 14 on an ordinary
+    prompt (fp32), so in float16 it turns into inf, the logits into NaN, and argmax into token 0 for
+    every token. bfloat16 has float32's exponent range and is what Gemma was trained in."""
+    if dtype == torch.float16 and cfg.model_type.startswith("gemma"):
+        raise ModelLoadError(f"{name}: Gemma models overflow float16 (their activations exceed its largest value, "
+                             f"65504, and every output token would be garbage); use bfloat16 or float32")
+
+
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> CausalLM:
     """Our `CausalLM` with the weights of `name` (folder, .gguf, or the default model alias)."""
     from safetensors.torch import load_file
 
     folder = hf_folder(name)
     cfg = load_config(folder)
+    check_dtype(cfg, dtype, name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} has no .safetensors weights")

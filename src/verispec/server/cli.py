@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_help import DRAFTER_HELP, TREE_HELP, HelpFormatter
+from ..options import engine_options
 
 DESCRIPTION = """\
 An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -18,31 +18,13 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, far beyond a
 DEFAULT_MAX_PROMPTS = 64
 
 
-class _Help(HelpFormatter):
-    """Shows "(default: X)" where there is a default to show (not for unset options or flags)."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False) or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="OpenAI-compatible server with speculative decoding", description=DESCRIPTION,
-                       formatter_class=_Help)
-    s.add_argument("--model", default="gemma3-270m", help="the target: HF folder, .gguf file, or gemma3-270m")
+    s = sub.add_parser("serve", parents=[engine_options(per_request=True)],
+                       help="OpenAI-compatible server with speculative decoding", description=DESCRIPTION)
     s.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    s.add_argument("--drafter", default="ngram", help=DRAFTER_HELP)
-    s.add_argument("-k", "--num-draft-tokens", type=int, default=5,
-                   help="draft tokens (tree: nodes) verified per step (a request may ask for fewer with num_draft_tokens)")
-    s.add_argument("--tree", default="chain", help=TREE_HELP + " (a request may choose its own with draft_tree)")
-    s.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
-    s.add_argument("--device", default="cpu", help="torch device")
     s.add_argument("--max-batch-size", type=int, default=32, help="KV slots = requests decoded at once; more wait")
-    s.add_argument("--max-model-len", type=int, default=2048, help="context per request: prompt + output tokens")
     s.add_argument("--kv-cache-mb", type=float, default=None, help="KV memory budget; refuse to start if the slots need more")
     s.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per engine step, over all requests")
-    s.add_argument("--exact", action="store_true", help="batch-invariant numerics in fp32 too (bf16 is invariant already)")
     s.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies are refused at once (413)")
     s.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS,
@@ -57,23 +39,30 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..chat import turn_end_ids
-    from ..cli import UserError
-    from ..engine import LLM
-    from ..kv import CacheFullError
-    from ..models import ModelLoadError, hf_folder
-    from .app import ServerLimits, create_app
-    from .runner import DrainingServer
+    from .. import preflight
+    from ..errors import UserError
+    from ..threads import setup_threads
 
     for name in ("max_request_bytes", "max_prompts_per_request"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if args.drain_timeout < 0:
         raise UserError("--drain-timeout must be >= 0")
+    setup_threads(args.threads)
+    cfg = preflight.model_config(args.model, args.dtype)
+    max_len = preflight.max_model_len(args.max_model_len, cfg, args.model)
+
+    from ..chat import turn_end_ids
+    from ..engine import LLM
+    from ..kv import CacheFullError
+    from ..models import ModelLoadError, hf_folder
+    from .app import ServerLimits, create_app
+    from .runner import DrainingServer
+
     try:
         llm = LLM(args.model, drafter=None if args.drafter in ("none", "") else args.drafter,
                   num_draft_tokens=args.num_draft_tokens, draft_tree=args.tree, dtype=args.dtype, device=args.device,
-                  max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_mb=args.kv_cache_mb,
+                  max_batch_size=args.max_batch_size, max_model_len=max_len, kv_cache_mb=args.kv_cache_mb,
                   prefill_chunk=args.prefill_chunk, exact=args.exact)
         stop_ids = turn_end_ids(llm.tokenizer, llm.engine.model.config.model_type, hf_folder(args.model))
     except (ModelLoadError, ValueError, CacheFullError) as e:

