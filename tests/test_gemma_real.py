@@ -99,19 +99,3 @@ def test_bf16_batched_and_chunked_equals_alone(tok):
     assert run(ids, None, 48) == alone
     assert run(ids, NgramDrafter(), 48) == alone
 
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_trees_equal_plain_batched_and_alone(tok, fp32_model, dtype):
-    """Token trees on the real target, bf16 by default (batch-invariant) and fp32 in exact mode: the
-    n-gram trie and a layer-skip EAGLE-2 tree, with long paths (16 nodes), batched and alone."""
-    model = fp32_model if dtype == "float32" else load_model("gemma3-270m", dtype=torch.bfloat16)
-    exact = dtype == "float32"
-    plain, _ = generate(model, tok, None, PROMPTS, exact=exact)
-    makers = {"ngram": lambda n: NgramDrafter(),
-              "layerskip": lambda n: ModelDrafter(model, n, 256 + 17, num_layers=6)}
-    for name, make in makers.items():
-        batched, seqs = generate(model, tok, make(len(PROMPTS)), PROMPTS, exact=exact, k=16, tree="dynamic:4")
-        assert batched == plain, name
-        assert sum(s.stats.accepted for s in seqs) > 0
-        alone, _ = generate(model, tok, make(1), PROMPTS[:1], exact=exact, k=16, tree="dynamic:4")
-        assert alone == plain[:1], name
