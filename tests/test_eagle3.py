@@ -147,7 +147,7 @@ def test_one_row_step_under_autocast(llama):
 
 
 def _engine_run(target, drafter, prompts, sp, k=4, max_batch=3, **kw):
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=k, dtype="float32", max_batch_size=max_batch,
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=k, dtype="float32", max_batch_size=max_batch,
                        max_model_len=96, **kw)
     eng = Engine(target, None, cfg, drafter)
     seqs = [eng.add_request(p, sp) for p in prompts]
@@ -191,7 +191,7 @@ def test_sampled_lossless_tv_eagle3_tree():
     target = ours_from_hf(hf)
     m = random_eagle(target, draft_vocab=4, counts=torch.tensor([5.0, 5, 1, 5, 5]), aux_layers=[0, 1, 2])
     n = 1500
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=6, draft_tree="dynamic:2", dtype="float32",
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=6, draft_tree="dynamic:2", dtype="float32",
                        max_batch_size=tsl.BATCH, max_model_len=tsl.MAX_LEN)
     eng = Engine(target, None, cfg, Eagle3Drafter(m, target, tsl.BATCH, tsl.MAX_LEN + 7))
     seqs = [eng.add_request(tsl.PROMPT, dataclasses.replace(tsl.PLAIN, seed=3000 + i)) for i in range(n)]

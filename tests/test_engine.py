@@ -21,7 +21,7 @@ def target():
 
 
 def engine(target, drafter=None, **kw):
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4, dtype="float32",
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=4, dtype="float32",
                        **{"max_batch_size": 4, "max_model_len": 128, **kw})
     return Engine(target, None, cfg, drafter)
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def run(target, drafter_factory, prompts, k=4, max_tokens=24, max_batch=3, exact=False, per_request_k=None):
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=k, dtype="float32", max_batch_size=max_batch,
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=k, dtype="float32", max_batch_size=max_batch,
                        max_model_len=96, exact=exact)
     drafter = drafter_factory(target, max_batch, 96 + k + 1) if drafter_factory else None
     eng = Engine(target, None, cfg, drafter)

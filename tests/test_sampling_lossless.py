@@ -189,7 +189,7 @@ def make_drafter(kind: str, models):
 
 
 def new_engine(target, drafter, max_batch_size: int = BATCH) -> Engine:
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=K, dtype="float32",
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=K, dtype="float32",
                        max_batch_size=max_batch_size, max_model_len=MAX_LEN)
     return Engine(target, None, cfg, drafter=drafter)
 

@@ -56,7 +56,7 @@ def test_data_shards_index_mask_and_states(tiny):
     aux, last = capture(target, s.ids.tolist(), [0, 2, 3])
     assert torch.equal(aux, s.aux) and torch.equal(last, s.last)
     # greedy regeneration: the stored response is the target's own greedy output
-    eng = Engine(target, None, EngineConfig(model="x", drafter=None, dtype="float32", max_batch_size=1), None)
+    eng = Engine(target, None, EngineConfig(model="x", drafter=None, draft_policy="fixed", dtype="float32", max_batch_size=1), None)
     seq = eng.add_request(prompts[5], SamplingParams(max_tokens=20, ignore_eos=True))
     while eng.has_work:
         eng.step()
@@ -170,7 +170,7 @@ def test_ddp_two_processes_equal_one(tiny, tmp_path):
 
 
 def _acceptance(target, drafter, prompts):
-    cfg = EngineConfig(model="x", drafter=None, num_draft_tokens=3, dtype="float32", max_batch_size=4, max_model_len=64)
+    cfg = EngineConfig(model="x", drafter=None, draft_policy="fixed", num_draft_tokens=3, dtype="float32", max_batch_size=4, max_model_len=64)
     eng = Engine(target, None, cfg, drafter)
     seqs = [eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
     while eng.has_work:

@@ -76,7 +76,7 @@ def test_tree_shape_parse_errors():
 
 
 def run(target, tree, prompts, k=8, max_tokens=24, max_batch=3, exact=False, drafter=None):
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=k, draft_tree=tree, dtype="float32",
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=k, draft_tree=tree, dtype="float32",
                        max_batch_size=max_batch, max_model_len=96, exact=exact)
     eng = Engine(target, None, cfg, drafter if drafter is not None else (NgramDrafter(max_n=3) if tree else None))
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -107,7 +107,7 @@ def test_greedy_mixed_chain_and_tree_requests_in_one_batch():
     target = ours_from_hf(hf)
     prompts = prompts_for(hf.config.vocab_size)
     plain, _ = run(target, "chain", prompts, k=0)
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=8, dtype="float32", max_batch_size=5,
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=8, dtype="float32", max_batch_size=5,
                        max_model_len=96)
     eng = Engine(target, None, cfg, NgramDrafter())
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -174,7 +174,7 @@ def test_kv_after_compaction_equals_plain_decoding_bf16():
     prompts = prompts_for(hf.config.vocab_size, lengths=(9,))
 
     def engine(tree, k):
-        cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=k, draft_tree=tree, dtype="bfloat16",
+        cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=k, draft_tree=tree, dtype="bfloat16",
                            max_batch_size=1, max_model_len=96)
         return Engine(target, None, cfg, NgramDrafter() if k else None)
 
@@ -243,7 +243,7 @@ class SiblingTreeDrafter(DrafterBase):
 
 
 def _check(target, hf, drafter, sp, seed0):
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=9, dtype="float32", max_batch_size=512,
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=9, dtype="float32", max_batch_size=512,
                        max_model_len=16)
     eng = Engine(target, None, cfg, drafter)
     seqs = [eng.add_request(PROMPT, dataclasses.replace(sp, seed=seed0 + i), tree="dynamic") for i in range(N)]
@@ -364,7 +364,7 @@ def test_on_commit_sees_every_committed_token_once_with_its_hidden_state():
         def on_commit(self, seq, start, hidden):
             calls.append((start, hidden[0].clone(), hidden[-1].clone()))
 
-    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=8, draft_tree="dynamic:3", dtype="float32",
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=8, draft_tree="dynamic:3", dtype="float32",
                        max_batch_size=1, max_model_len=96, prefill_chunk=5)
     eng = Engine(target, None, cfg, Recorder())
     prompt = prompts_for(hf.config.vocab_size, lengths=(11,))[0]

@@ -43,11 +43,12 @@ def build_parser() -> Parser:
 def _extra_commands():
     """Other subcommands live beside the code they drive; each module has `add_parser(subparsers)`,
     which registers its arguments and `set_defaults(run=...)`. Add one import line per command."""
+    from .adaptive.cli import add_parser as profile
     from .bench.cli import add_parser as bench
     from .server.cli import add_parser as serve
     from .train.cli import parsers as train_data_export  # data, train, export
 
-    return [bench, serve, *train_data_export()]
+    return [bench, serve, profile, *train_data_export()]
 
 
 class _Stderr(logging.StreamHandler):
@@ -156,7 +157,7 @@ def cmd_generate(args) -> int:
     drafter = None if args.drafter in ("none", "") else args.drafter
     try:
         llm = LLM(args.model, tokenizer=tok, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
-                  draft_tree=args.tree, dtype=args.dtype, device=args.device, max_model_len=max_len, exact=args.exact)
+                  draft_tree=args.tree, draft_policy=args.draft_policy, dtype=args.dtype, device=args.device, max_model_len=max_len, exact=args.exact)
         llm.generate(ids[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up: first-call allocations
         spec = llm.generate(ids, sp)
         plain = llm.generate(ids, sp, speculative=False) if args.compare and drafter else None

@@ -39,6 +39,9 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+DRAFT_POLICIES = ("adaptive", "adaptive-topb", "fixed")
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -52,6 +55,9 @@ class EngineConfig:
     max_model_len: int = 2048  # KV rows per sequence (prompt + output + draft)
     exact: bool = False  # batch-invariant numerics in fp32 too (one GEMV per row); bf16 is invariant already
     prefill_chunk: int = 256  # prompt tokens prefilled per engine step, over all requests
+    # which drafted nodes to verify: "adaptive" (by confidence and measured cost, adaptive/),
+    # "adaptive-topb" (the same with vLLM's global top-B budget) or "fixed" (all of them, up to k)
+    draft_policy: str = "adaptive"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -61,6 +67,8 @@ class EngineConfig:
         if self.max_batch_size < 1 or self.max_model_len < 2:
             raise ValueError("max_batch_size must be >= 1 and max_model_len >= 2")
         TreeShape.parse(self.draft_tree)  # refuse a bad shape up front
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"unknown draft policy {self.draft_policy!r}; choose from {', '.join(DRAFT_POLICIES)}")
 
 
 @dataclass
@@ -107,7 +115,7 @@ class Engine:
                  policy: DraftLengthPolicy | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.drafter = drafter
-        self.policy = policy or FixedDraftLength()
+        self.policy = policy or make_policy(config, model, drafter)
         self.tree = TreeShape.parse(config.draft_tree)
         # Forwards are batch-invariant whenever that is (nearly) free — bf16/fp16 on CPU: GEMM rows
         # in blocks of at most 64 (rows that do not depend on the row count), attention over a key
@@ -188,7 +196,9 @@ class Engine:
         return events
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+        t0 = time.perf_counter()
         drafts = self._propose(seqs, self.policy.budgets(seqs, self.config.num_draft_tokens))  # KV slack is sized for it
+        drafts = self.policy.admit(seqs, drafts, time.perf_counter() - t0)
         width = 1 + max(len(d.tokens) for d in drafts)
         ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
         starts = [self.cache.lengths[s.slot] for s in seqs]
@@ -202,19 +212,23 @@ class Engine:
             paths = PathViews.build([s.slot for s in seqs], starts, parents, width,
                                     kv_len or max(starts) + width, self.model.device)
         out = self.model(ids.to(self.model.device), self.cache, [s.slot for s in seqs], torch.tensor(starts),
-                         positions=positions.to(self.model.device), taps=self._taps, kv_len=kv_len, paths=paths)
-        logits = out.logits  # [B, width, V]
-        events = []
+                         positions=positions.to(self.model.device), taps=self._taps, kv_len=kv_len, paths=paths,
+                         want_logits=False)
+        # logits of the real rows only: the LM head is the largest matmul, padding rows need none
+        sizes = [1 + len(d.tokens) for d in drafts]
+        logits = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)])).split(sizes)
+        events, verdicts = [], []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
-            n = len(d.tokens)
-            v = for_draft(d).verify(logits[b, : n + 1], d, s.params, s.generator)
-            s.stats.record(n, v.accepted, len(v.tokens), depth=d.depth)
+            v = for_draft(d).verify(logits[b], d, s.params, s.generator)  # logits[b]: [1 + n, V]
+            verdicts.append(v)
+            s.stats.record(len(d.tokens), v.accepted, len(v.tokens), depth=d.depth)
             rows = [0] + [i + 1 for i in v.path]  # window rows kept: the root, then the accepted path
             if rows != list(range(len(rows))):
                 self.cache.compact(s.slot, starts[b], torch.tensor(rows))
             self.cache.commit(s.slot, len(rows))
             self._on_commit(s, out, b, starts[b], rows)
-            events.append(self._emit(s, v.tokens, logits[b, rows]))
+            events.append(self._emit(s, v.tokens, logits[b][rows]))
+        self.policy.observe(seqs, drafts, verdicts)
         return events
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -327,6 +341,20 @@ class Engine:
         self.cache.free(seq.slot)
         if self.drafter is not None:
             self.drafter.release(seq)
+
+
+def make_policy(config: EngineConfig, model: CausalLM, drafter: Drafter | None) -> DraftLengthPolicy:
+    """The draft-length policy the config names. The adaptive ones measure the verify cost
+    profile on first use (cached per machine and model: adaptive/costs.py)."""
+    if config.draft_policy == "fixed" or drafter is None or config.num_draft_tokens == 0:
+        return FixedDraftLength()
+    from .adaptive.costs import load_or_measure
+    from .adaptive.policy import AdaptiveDraftLength
+
+    max_tokens = min(1024, config.max_batch_size * (config.num_draft_tokens + 1))
+    planner = "topb" if config.draft_policy == "adaptive-topb" else "greedy"
+    return AdaptiveDraftLength(lambda: load_or_measure(model, max_tokens, config.max_batch_size), planner,
+                               max_depth=max(1, config.num_draft_tokens))
 
 
 class LLM:

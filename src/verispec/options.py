@@ -90,6 +90,10 @@ def engine_options(*, drafter: bool = True, draft_tokens: bool = True, device: b
     if drafter:
         g.add_argument("--tree", default="chain", help=cli_help.TREE_HELP
                        + (" (a request may choose its own with draft_tree)" if per_request else ""))
+        g.add_argument("--draft-policy", default="adaptive", choices=["adaptive", "adaptive-topb", "fixed"],
+                       help="adaptive: each step, verify only the draft nodes worth their measured cost "
+                            "(up to k; learned acceptance, cost profile cached per machine); adaptive-topb: "
+                            "the same with vLLM's one-step-old budget instead of the early stop; fixed: all k")
     g.add_argument("--dtype", type=dtype_name, default="bfloat16", metavar="DTYPE",
                    help="bfloat16, float32, or float16 (refused for Gemma, whose activations overflow it)")
     if device:

@@ -1,8 +1,9 @@
 """Draft-length policies: how many draft nodes each request may propose this step.
 
-The engine asks its policy once per step for every running request; the answer is capped by
-the request's own `num_draft_tokens` and by the KV slack. Fixed k is the first policy; an
-adaptive one (cost- and confidence-aware) is another class with the same method. A policy may
+The engine asks its policy twice per step: before drafting, how many nodes each running request
+may draft (capped by the request's own `num_draft_tokens` and by the KV slack); after drafting,
+which of the drafted nodes to verify. Then it reports the verdicts. Fixed k verifies every
+drafted node; the adaptive policy (adaptive/) verifies those worth their cost. A policy may
 look at anything committed, never at the draft tokens it is deciding on (that keeps verification
 lossless: docs/ARCHITECTURE.md, "Why adaptive budgets stay lossless").
 """
@@ -11,12 +12,24 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from .drafters.base import Draft
 from .sequence import Sequence
+from .verify import Verdict
 
 
 class DraftLengthPolicy(Protocol):
     def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
         """Draft nodes each request may propose this step (0: no speculation), at most `cap`."""
+        ...
+
+    def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
+        """The part of each draft to verify (a subtree holding the root's side: `Draft.select`).
+        It may depend on the drafts' features and on anything committed, never on a node's own
+        token when that token was sampled."""
+        ...
+
+    def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
+        """The verifier's verdicts on the admitted drafts (for policies that learn)."""
         ...
 
 
@@ -26,3 +39,9 @@ class FixedDraftLength:
 
     def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
         return [max(0, min(s.num_draft_tokens, cap, s.params.max_tokens - s.num_output - 1)) for s in seqs]
+
+    def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
+        return drafts
+
+    def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
+        pass

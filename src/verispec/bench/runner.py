@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..drafters import make_drafter
-from ..engine import DTYPES, Engine, EngineConfig
+from ..engine import DRAFT_POLICIES, DTYPES, Engine, EngineConfig
 from ..sequence import SpecStats
 from ..sampling import SamplingParams
 from .metrics import Trace, spec_fields
@@ -37,14 +37,16 @@ class Method:
 
 # ---- verispec ------------------------------------------------------------------------------
 def engine_config(model: str, drafter: str | None, k: int, dtype: str, exact: bool, max_batch: int,
-                  max_model_len: int, device: str = "cpu", tree: str = "chain") -> EngineConfig:
+                  max_model_len: int, device: str = "cpu", tree: str = "chain", policy: str = "adaptive") -> EngineConfig:
     return EngineConfig(model=model, drafter=drafter, num_draft_tokens=k if drafter else 0, dtype=dtype, device=device,
-                        max_batch_size=max_batch, max_model_len=max_model_len, exact=exact, draft_tree=tree)
+                        max_batch_size=max_batch, max_model_len=max_model_len, exact=exact, draft_tree=tree,
+                        draft_policy=policy)
 
 
-def parse_method_spec(spec: str, k: int) -> tuple[str, str, int]:
-    """'DRAFTER[@tree=SHAPE][@k=N]' -> (drafter spec, tree shape, draft budget); e.g.
-    'ngram@tree=dynamic@k=16' is the n-gram trie with a 16-node budget."""
+def parse_method_spec(spec: str, k: int, policy: str = "adaptive") -> tuple[str, str, int, str]:
+    """'DRAFTER[@tree=SHAPE][@k=N][@policy=P]' -> (drafter spec, tree shape, draft budget, draft
+    policy); e.g. 'ngram@tree=dynamic@k=16' is the n-gram trie with a 16-node budget, and
+    'ngram@k=3@policy=fixed' always verifies 3 tokens."""
     drafter, *opts = spec.split("@")
     tree = "chain"
     for o in opts:
@@ -53,9 +55,12 @@ def parse_method_spec(spec: str, k: int) -> tuple[str, str, int]:
             tree = val
         elif key == "k" and val.isdigit() and int(val) >= 1:
             k = int(val)
+        elif key == "policy" and val in DRAFT_POLICIES:
+            policy = val
         else:
-            raise ValueError(f"bad method option {o!r} in {spec!r}: use @tree=SHAPE and @k=N")
-    return drafter, tree, k
+            raise ValueError(f"bad method option {o!r} in {spec!r}: use @tree=SHAPE, @k=N and "
+                             f"@policy={'|'.join(DRAFT_POLICIES)}")
+    return drafter, tree, k, policy
 
 
 def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None) -> Engine:
@@ -104,12 +109,13 @@ def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int,
         for spec in [None, *drafters]:
             if exact and spec is not None and exact_drafters is not None and spec not in exact_drafters:
                 continue
-            drafter, tree, kk = parse_method_spec(spec, k) if spec else (None, "chain", k)
-            cfg = engine_config(model, drafter, kk, dtype, exact, 1, max_model_len, tree=tree)
+            drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
+            cfg = engine_config(model, drafter, kk, dtype, exact, 1, max_model_len, tree=tree, policy=policy)
             factory = (factories or {}).get(drafter)
             eng = build_engine(target, tokenizer, cfg, factory)
             name = f"{spec}{tag}" if spec else plain
-            conf = {"engine": "verispec", "drafter": drafter, "tree": tree, "num_draft_tokens": cfg.num_draft_tokens, "dtype": dtype,
+            conf = {"engine": "verispec", "drafter": drafter, "tree": tree, "num_draft_tokens": cfg.num_draft_tokens,
+                    "draft_policy": policy, "dtype": dtype,
                     "exact": exact, "max_model_len": max_model_len, "max_batch_size": 1}
             out.append(Method(name, "verispec", plain, engine_runner(eng, ignore_eos), conf))
     return out
@@ -206,8 +212,9 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
     for c in concurrency:
         reqs = sweep_requests(prompts, c)
         for spec in drafters:
-            cfg = engine_config(model, spec, k, dtype, exact, c, max_model_len)
-            eng = build_engine(target, tokenizer, cfg, (factories or {}).get(spec))
+            drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
+            cfg = engine_config(model, drafter, kk, dtype, exact, c, max_model_len, tree=tree, policy=policy)
+            eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter))
             run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
             seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
             name = f"{spec}{tag}" if spec else f"plain{tag}"

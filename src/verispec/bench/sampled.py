@@ -54,8 +54,9 @@ def run_sampled_check(target, tokenizer, model: str, drafters: list[str], k: int
             chosen.append((p, exact))
     checks = []
     for spec in [None, *drafters]:
-        drafter, tree, kk = parse_method_spec(spec, k) if spec else (None, "chain", k)
-        cfg = dataclasses.replace(engine_config(model, drafter, kk, dtype, False, min(n, MAX_BATCH), max_model_len, tree=tree),
+        drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
+        cfg = dataclasses.replace(engine_config(model, drafter, kk, dtype, False, min(n, MAX_BATCH), max_model_len,
+                                                tree=tree, policy=policy),
                                   prefill_chunk=4096)
         eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter))
         for p, exact in chosen:

@@ -22,7 +22,7 @@ import httpx
 from ..server.process import ServerProcess
 from .metrics import spread
 from ..prompts import Prompt
-from .runner import sweep_requests
+from .runner import parse_method_spec, sweep_requests
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
@@ -77,8 +77,9 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
     servers = {}
     try:
         for spec in drafters:
-            args = ["--model", model, "--drafter", spec or "none", "-k", str(k if spec else 0), "--dtype", dtype,
-                    "--max-batch-size", str(max(concurrency)), "--max-model-len", str(max_model_len),
+            drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else ("none", "chain", 0, "fixed")
+            args = ["--model", model, "--drafter", drafter, "-k", str(kk), "--tree", tree, "--draft-policy", policy,
+                    "--dtype", dtype, "--max-batch-size", str(max(concurrency)), "--max-model-len", str(max_model_len),
                     "--prefill-chunk", "256"]
             servers[spec] = ServerProcess(*args, threads=threads)
         for spec, srv in servers.items():

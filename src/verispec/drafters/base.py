@@ -28,6 +28,11 @@ class Draft:
     q: torch.Tensor | list[torch.Tensor] | None = None
     parents: list[int] | None = None  # parent of each node (-1: the last committed token); None: a chain
     iid: bool = False  # siblings drawn i.i.d. from q (else without replacement, or distinct deterministic tokens)
+    # features[i]: what the drafter knew about node i before drawing it (for model drafters the
+    # logit of the largest probability of the distribution it was drawn from; for n-gram the log
+    # of the evidence for it). The adaptive policy's estimator learns acceptance from them; a
+    # sampled node's features never depend on its own token (docs/ARCHITECTURE.md).
+    features: list[list[float]] | None = None
 
     @property
     def depth(self) -> int:
@@ -52,8 +57,19 @@ class Draft:
         """The first `budget` nodes (parents come first, so it is still a tree)."""
         if len(self.tokens) <= budget:
             return self
-        q = None if self.q is None else self.q[:budget]
-        return Draft(self.tokens[:budget], q, None if self.parents is None else self.parents[:budget], self.iid)
+        return self.select(list(range(budget)))
+
+    def select(self, keep: list[int]) -> "Draft":
+        """The nodes `keep` (ascending; every kept node's parent is kept), renumbered."""
+        if len(keep) == len(self.tokens):
+            return self
+        index = {-1: -1}
+        for j, i in enumerate(keep):
+            index[i] = j
+        q = None if self.q is None else (self.q[keep] if isinstance(self.q, torch.Tensor) else [self.q[i] for i in keep])
+        parents = None if self.parents is None else [index[self.parents[i]] for i in keep]
+        feats = None if self.features is None else [self.features[i] for i in keep]
+        return Draft([self.tokens[i] for i in keep], q, parents, self.iid, feats)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ The drafter supplies the root distribution (its logits after the last committed 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..adaptive.estimator import logit
 from ..sampling import probs, sample
 from .base import CHAIN, Draft
 
@@ -51,6 +53,7 @@ def draft(seqs, budgets: list[int], root_logits: torch.Tensor, step: Step) -> li
 def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
     B = len(seqs)
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    feats: list[list[list[float]]] = [[] for _ in range(B)]
     nodes: list[list[Node]] = [[] for _ in range(B)]
     logits = list(root_logits)
     for j in range(max(budgets, default=0)):
@@ -60,6 +63,10 @@ def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
                 continue
             q = probs(logits[b][None], s.params)[0]
             qs[b].append(q)
+            # confidence feature: the largest probability of the distribution the node is drawn
+            # from (greedy: of the unscaled draft distribution, since q is one-hot)
+            top = float((logits[b].float().softmax(-1) if s.params.greedy else q).max())
+            feats[b].append([logit(top)])
             nodes[b].append(Node(sample(q, s.generator), len(nodes[b]) - 1, j + 1, 0.0))
             if j + 1 < budgets[b]:  # its logits are needed only if the chain goes on
                 run[b].append(len(nodes[b]) - 1)
@@ -69,7 +76,7 @@ def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
         for b in range(B):
             if run[b]:
                 logits[b] = out[b][0]
-    return [Draft([n.token for n in ns], torch.stack(q) if q else None) for ns, q in zip(nodes, qs)]
+    return [Draft([n.token for n in ns], torch.stack(q) if q else None, features=f) for ns, q, f in zip(nodes, qs, feats)]
 
 
 def _trees(seqs, budgets, root_logits, step) -> list[Draft]:
@@ -124,4 +131,7 @@ def _select(nodes: list[Node], budget: int) -> Draft:
     index = {-1: -1}
     for i in keep:
         index[i] = len(index) - 1
-    return Draft([nodes[i].token for i in keep], None, [index[nodes[i].parent] for i in keep])
+    # confidence feature: the node's own draft probability given its parent (the children are
+    # the top-k, a deterministic function of the context, so this is known before any draw)
+    feats = [[logit(math.exp(nodes[i].score - _score(nodes, nodes[i].parent)))] for i in keep]
+    return Draft([nodes[i].token for i in keep], None, [index[nodes[i].parent] for i in keep], features=feats)

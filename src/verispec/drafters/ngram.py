@@ -15,6 +15,8 @@ itself (code, edits, summaries, repetitive text).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -46,7 +48,8 @@ class NgramDrafter(DrafterBase):
             if k <= 0:
                 out.append(Draft([]))
             elif shape.is_chain:
-                out.append(Draft(lookup(s.tokens, k, self.max_n, self.min_n)))
+                tokens, shared = lookup(s.tokens, k, self.max_n, self.min_n)
+                out.append(Draft(tokens, features=[[math.log1p(shared)]] * len(tokens)))
             else:
                 out.append(self._trie(s.tokens, k, shape))
         return out
@@ -97,7 +100,8 @@ class NgramDrafter(DrafterBase):
             chosen.append(c)
             frontier += list(kids[c].values())
         # parents before children: chosen order already has that (a child enters the frontier after its parent)
-        return Draft([token[c] for c in chosen], None, [index[parent[c]] for c in chosen])
+        return Draft([token[c] for c in chosen], None, [index[parent[c]] for c in chosen],
+                      features=[[math.log1p(votes[c])] for c in chosen])  # evidence: summed match lengths
 
 
 def _match_length(arr: np.ndarray, end: int, L: int, n: int, cap: int = 16) -> int:
@@ -108,8 +112,9 @@ def _match_length(arr: np.ndarray, end: int, L: int, n: int, cap: int = 16) -> i
     return m
 
 
-def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> tuple[list[int], int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest matching
+    suffix, and how many tokens of context that occurrence shares with the sequence's end."""
     arr = np.asarray(tokens, dtype=np.int64)
     L = len(arr)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
@@ -120,5 +125,5 @@ def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
             # the most recent match that has k tokens after it, else the one with the most
             full = hits[hits + n + k <= L]
             start = int(full[-1] if len(full) else hits[0]) + n
-            return arr[start : start + k].tolist()
-    return []
+            return arr[start : start + k].tolist(), _match_length(arr, start, L, n)
+    return [], 0

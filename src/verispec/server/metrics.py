@@ -40,15 +40,43 @@ class Metrics:
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**lbl)
         self.tpot = Histogram(P + "time_per_output_token_seconds", "Time per output token after the first", ["model_name"], buckets=LATENCY_BUCKETS, registry=r).labels(**lbl)
         self._drafter_errors_seen = 0
+        # adaptive verification (adaptive/): what the policy chose and how well it predicts
+        self.adaptive_budget = Histogram(P + "spec_decode_adaptive_budget_tokens", "Draft tokens admitted for verification per decode step (adaptive policy)",
+                                         ["model_name"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r).labels(**lbl)
+        self.adaptive_window = Gauge(P + "spec_decode_adaptive_window", "Verify window of the last step: draft tokens per request at most", ["model_name"], registry=r)
+        self.adaptive_coef = Gauge(P + "spec_decode_adaptive_estimator_coefficient", "Acceptance estimator: shared slope(s) and per-depth intercepts",
+                                   ["model_name", "kind", "index"], registry=r)
+        self.adaptive_predicted = Counter(P + "spec_decode_adaptive_predicted_accepted", "Sum of predicted acceptance over observed draft positions", ["model_name"], registry=r)
+        self.adaptive_observed = Counter(P + "spec_decode_adaptive_observed_accepted", "Accepted draft positions among the same observations", ["model_name"], registry=r)
+        self.adaptive_observations = Counter(P + "spec_decode_adaptive_observations", "Draft positions observed by the estimator (verified, parent accepted)", ["model_name"], registry=r)
+        self._adaptive_seen = (0, 0.0, 0.0, 0)  # policy steps, predicted, observed, observations
 
     def observe_engine(self, eng) -> None:
         self.running.labels(**self._lbl).set(eng.num_active)
         self.waiting.labels(**self._lbl).set(len(eng.waiting))
         self.kv_usage.labels(**self._lbl).set(1 - eng.cache.num_free / eng.cache.num_slots)
+        self._observe_policy(eng.policy)
         new_errors = eng.drafter_errors - self._drafter_errors_seen
         if new_errors:
             self.drafter_errors.labels(**self._lbl).inc(new_errors)
             self._drafter_errors_seen = eng.drafter_errors
+
+    def _observe_policy(self, policy) -> None:
+        est = getattr(policy, "estimator", None)
+        if est is None or policy.steps == self._adaptive_seen[0]:
+            return  # not adaptive, or no step since the last look
+        lbl = self._lbl
+        self.adaptive_budget.observe(policy.last_admitted)
+        self.adaptive_window.labels(**lbl).set(policy.width or 0)
+        co = est.coefficients()
+        for kind in ("slope", "intercepts"):
+            for i, v in enumerate(co[kind]):
+                self.adaptive_coef.labels(kind=kind, index=str(i), **lbl).set(v)
+        _, pred, obs, n = self._adaptive_seen
+        self.adaptive_predicted.labels(**lbl).inc(est.predicted_sum - pred)
+        self.adaptive_observed.labels(**lbl).inc(est.observed_sum - obs)
+        self.adaptive_observations.labels(**lbl).inc(est.observations - n)
+        self._adaptive_seen = (policy.steps, est.predicted_sum, est.observed_sum, est.observations)
 
     def error(self, status: int, reason: str | None) -> None:
         self.errors.labels(status=str(status), reason=reason or "unknown", **self._lbl).inc()

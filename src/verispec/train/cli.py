@@ -115,7 +115,7 @@ def add_data_parser(sub) -> None:
 
     p = sub.add_parser("data", parents=[engine_options(drafter=False, draft_tokens=False, exact=False)],
                        help="regenerate responses with the target and store its hidden states (EAGLE-3 training data)")
-    p.add_argument("--prompts", required=True, help="sharegpt | mtbench | humaneval | FILE.jsonl (chat messages)")
+    p.add_argument("--prompts", required=True, help="mix (chat + code + instruction, decontaminated) | sharegpt | mtbench | humaneval | FILE.jsonl")
     p.add_argument("--num-samples", type=int_range(1), required=True, help="number of prompts to answer")
     p.add_argument("--out", required=True, help="output folder (resumed if it holds a run with the same arguments)")
     p.add_argument("--layers", default=None, help="comma-separated target layers to store (default: EAGLE-3's [2, L/2, L-3])")

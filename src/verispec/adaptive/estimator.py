@@ -1,0 +1,122 @@
+"""The head-free online acceptance estimator: how likely each draft node is to be accepted,
+learned from the verifier's own verdicts while the engine runs.
+
+Model (per node): P(accepted | parent accepted) = sigmoid(w . f + b_depth), with one weight vector
+w shared by all depths and one intercept per depth. f is the drafter's feature vector for the node
+(`Draft.features`): for model drafters logit(max q) of the draft distribution the node was drawn
+from (it scores the distribution, never the drawn token), for n-gram drafters the log of the
+evidence behind the continuation. Drafters without features get intercepts only, which still
+learn how acceptance falls with depth. Initial state: w = 0, b = 1.5 (about 0.82 everywhere),
+so planning works before the first fit.
+
+Labels are censored: a node is an observation only if it was verified and its parent was
+accepted (for a chain: every earlier position); its label is whether it was accepted. Siblings
+after an accepted sibling are not observations either.
+
+Fitting: every `refit_every` steps, a damped Newton step on the log-likelihood of the window of
+observations gathered since the last refit (then the window starts afresh, so the fit follows the
+workload). The step is damped per parameter by n / (n + 50) observations, with a small ridge;
+non-finite steps, and steps that would make the slope negative, are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+INIT_INTERCEPT = 1.5
+DAMPING = 50.0
+RIDGE = 1e-3
+CLAMP = 40.0
+
+
+def logit(p: float) -> float:
+    p = min(max(p, 1e-12), 1 - 1e-12)
+    return max(-CLAMP, min(CLAMP, math.log(p) - math.log1p(-p)))
+
+
+class AcceptanceEstimator:
+    def __init__(self, max_depth: int, refit_every: int = 100):
+        self.max_depth = max_depth
+        self.refit_every = refit_every
+        self.w: torch.Tensor | None = None  # [F] shared slope(s), set when the first features arrive
+        self.b = torch.full((max_depth,), INIT_INTERCEPT, dtype=torch.float64)  # [D] per-depth intercepts
+        self._f: list[list[float]] = []  # window: features, depth index, label
+        self._d: list[int] = []
+        self._y: list[float] = []
+        self.steps = 0
+        self.refits = 0
+        # predicted vs observed, over all observations (for /metrics)
+        self.predicted_sum = 0.0
+        self.observed_sum = 0.0
+        self.observations = 0
+
+    def _ensure(self, num_features: int) -> None:
+        if self.w is None or len(self.w) != num_features:
+            self.w = torch.zeros(num_features, dtype=torch.float64)
+
+    def predict(self, features: list[list[float]] | None, depths: list[int]) -> list[float]:
+        """P(accept | parent accepted) for each node (depth 1 = a child of the root)."""
+        if not depths:
+            return []
+        d = torch.tensor([min(x, self.max_depth) - 1 for x in depths])
+        z = self.b[d].clone()
+        if features is not None and features and len(features[0]):
+            self._ensure(len(features[0]))
+            z += torch.tensor(features, dtype=torch.float64) @ self.w
+        return torch.sigmoid(z).tolist()
+
+    def observe(self, features: list[list[float]] | None, depths: list[int], labels: list[int],
+                predicted: list[float]) -> None:
+        """Add the observed nodes of one verified draft (already filtered to observations)."""
+        for i, (d, y) in enumerate(zip(depths, labels)):
+            self._f.append(list(features[i]) if features is not None else [])
+            self._d.append(min(d, self.max_depth) - 1)
+            self._y.append(float(y))
+            self.predicted_sum += predicted[i]
+            self.observed_sum += y
+            self.observations += 1
+
+    def end_step(self) -> None:
+        self.steps += 1
+        if self.steps % self.refit_every == 0:
+            self.refit()
+
+    def refit(self) -> None:
+        """One damped Newton step on the current window, then a fresh window."""
+        if self._y:
+            self._newton_step()
+        self._f, self._d, self._y = [], [], []
+        self.refits += 1
+
+    def _newton_step(self) -> None:
+        F = len(self._f[0]) if all(len(f) == len(self._f[0]) for f in self._f) else 0
+        if F:
+            self._ensure(F)
+        D = self.max_depth
+        y = torch.tensor(self._y, dtype=torch.float64)
+        d = torch.tensor(self._d)
+        onehot = torch.nn.functional.one_hot(d, D).to(torch.float64)  # [N, D]
+        X = torch.cat([torch.tensor(self._f, dtype=torch.float64), onehot], 1) if F else onehot  # [N, F + D]
+        theta = torch.cat([self.w, self.b]) if F else self.b.clone()
+        p = torch.sigmoid(X @ theta)
+        grad = X.T @ (y - p)  # ascent direction of the log-likelihood
+        H = (X * (p * (1 - p))[:, None]).T @ X + RIDGE * torch.eye(X.shape[1], dtype=torch.float64)
+        try:
+            step = torch.linalg.solve(H, grad)
+        except RuntimeError:
+            return
+        if not torch.isfinite(step).all():
+            return
+        counts = torch.cat([torch.full((F,), float(len(y))), onehot.sum(0)]) if F else onehot.sum(0)
+        step = step * counts / (counts + DAMPING)  # positions with no data hold still
+        if F:
+            w = self.w + step[:F]
+            if (w < 0).any():  # a larger confidence never means a smaller acceptance: keep the old slope
+                step[:F] = 0
+            self.w = self.w + step[:F]
+        self.b = self.b + step[F:]
+
+    def coefficients(self) -> dict:
+        return {"slope": [] if self.w is None else self.w.tolist(), "intercepts": self.b.tolist()}

@@ -1,0 +1,127 @@
+"""The adaptive draft-length policy: per step, verify only the draft nodes worth their cost.
+
+The engine calls, every decode step:
+1. `budgets(seqs, cap)`: how many nodes each request may draft (its own `num_draft_tokens`);
+2. `admit(seqs, drafts, draft_seconds)`: which drafted nodes to verify. The estimator scores each
+   node from the drafter's features (never from the node's own token), the planner picks the
+   nodes that maximise expected tokens per second against the measured cost profile;
+3. `observe(seqs, drafts, verdicts)`: the verifier's verdicts become the estimator's labels.
+
+Planners (planner.py): "greedy" (DSpark's Algorithm 1 over verify windows: current survivals,
+early stop) or "topb" (no early stop: the window that was best by the previous step's survivals,
+its slots filled by the current ones, as vLLM sizes its global top-B budget).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..drafters.base import Draft
+from ..sequence import Sequence
+from ..verify import Verdict
+from .costs import CostProfile, DraftCost
+from .estimator import AcceptanceEstimator
+from .planner import best_width, keep, plan_greedy, ranked_survival
+
+PLANNERS = ("greedy", "topb")
+
+
+class AdaptiveDraftLength:
+    PROBE_EVERY = 8  # while nothing pays, draft only every 8th step (to keep learning)
+
+    def __init__(self, profile: "CostProfile | Callable[[], CostProfile]", planner: str = "greedy",
+                 max_depth: int = 64, refit_every: int = 100):
+        if planner not in PLANNERS:
+            raise ValueError(f"unknown planner {planner!r}; choose from {', '.join(PLANNERS)}")
+        self._profile = profile  # a CostProfile, or a function that measures or loads one on first use
+        self.planner = planner
+        self.estimator = AcceptanceEstimator(max_depth, refit_every)
+        self.draft_cost = DraftCost()
+        self.steps = 0
+        self.width = None  # the window chosen last step (None: no step yet)
+        self._stale_width: int | None = None  # topb: the best window by last step's survivals
+        self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
+        self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
+        self.last_admitted = 0
+
+    @property
+    def profile(self) -> CostProfile:
+        if not isinstance(self._profile, CostProfile):
+            self._profile = self._profile()
+        return self._profile
+
+    def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
+        """Each request's own k, but at most two more than last step's window (drafting what
+        will not be verified costs a model drafter a forward per node); when last step admitted
+        nothing, no drafting except every PROBE_EVERY-th step. Only past steps decide this."""
+        self.steps += 1
+        adaptive_cap = cap
+        if self.width is not None:
+            if self.width > 0:
+                adaptive_cap = min(cap, self.width + 2)
+            elif self.steps % self.PROBE_EVERY:
+                adaptive_cap = 0
+        return [max(0, min(s.num_draft_tokens, cap if pinned(s) else adaptive_cap, s.params.max_tokens - s.num_output - 1))
+                for s in seqs]
+
+    def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
+        self.last_drafted = sum(len(d.tokens) for d in drafts)
+        if not self.last_drafted:  # nothing to plan; the window stays as it was
+            self.last_admitted = 0
+            return drafts
+        self.draft_cost.record(len(seqs), draft_seconds)
+        conf = [self.estimator.predict(d.features, d.depths()) for d in drafts]
+        surv = [ranked_survival(c, d.parents) for c, d in zip(conf, drafts)]
+        cost, dsec = self.profile.verify_cost, self.draft_cost(len(seqs))
+        pins = [pinned(s) for s in seqs]
+        free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
+        if self.planner == "greedy":
+            width = plan_greedy(free, dsec, cost)
+        else:
+            best = best_width(free, dsec, cost)
+            width = best if self._stale_width is None else self._stale_width
+            self._stale_width = best  # used next step only: its survivals are then history
+        self.width = width
+        # a pinned draft widens the window for everyone, at no further cost
+        width = max([width] + [len(d.tokens) for d, p in zip(drafts, pins) if p])
+        out = []
+        for s, d, c, k, p in zip(seqs, drafts, conf, keep(surv, width), pins):
+            k = list(range(len(d.tokens))) if p else k
+            out.append(d.select(k))
+            self._pending[s.id] = [c[i] for i in k]
+        self.last_admitted = sum(len(d.tokens) for d in out)
+        return out
+
+    def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
+        for s, d, v in zip(seqs, drafts, verdicts):
+            conf = self._pending.pop(s.id, [])
+            if not d.tokens:
+                continue
+            idx, labels = observations(d, v)
+            feats = None if d.features is None else [d.features[i] for i in idx]
+            depths = d.depths()
+            self.estimator.observe(feats, [depths[i] for i in idx], labels, [conf[i] for i in idx])
+        self.estimator.end_step()
+
+
+def pinned(seq: Sequence) -> bool:
+    """A sampled request with its own seed always verifies its whole draft (up to its k): its
+    output then depends only on the seed, not on the load or the timing that steer the windows
+    (the adaptive policy keeps every request's distribution exact, but not its realization)."""
+    return seq.params.seed is not None and not seq.params.greedy
+
+
+def observations(draft: Draft, verdict: Verdict) -> tuple[list[int], list[int]]:
+    """The censored observations of a verified draft: nodes whose parent was accepted (the root
+    always is) and no earlier sibling was; label 1 if the node itself was accepted."""
+    accepted = set(verdict.path)
+    parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+    idx, labels, sibling_taken = [], [], set()
+    for i, par in enumerate(parents):
+        if (par >= 0 and par not in accepted) or par in sibling_taken:
+            continue
+        idx.append(i)
+        labels.append(int(i in accepted))
+        if i in accepted:
+            sibling_taken.add(par)
+    return idx, labels

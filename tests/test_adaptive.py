@@ -1,0 +1,299 @@
+"""Adaptive verification: the estimator, the planners, the cost profile, and losslessness.
+
+- The estimator recovers known slopes and intercepts from synthetic censored data.
+- The planner's window is optimal on small synthetic tables (brute force over every admissible
+  set), and the greedy planner never admits a node because of what was drawn at or after it.
+- The cost profile is monotone, cached, and measured again only when too short.
+- Greedy output with the adaptive policy is the target's; sampled output is distributed as the
+  target's (tests/test_sampling_lossless.py's exact check), and the same check catches a policy
+  that admits a node by looking at its own token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import build_hf, ours_from_hf
+from verispec.adaptive import costs as C
+from verispec.adaptive.costs import CostProfile, load_or_measure
+from verispec.adaptive.estimator import AcceptanceEstimator
+from verispec.adaptive.policy import AdaptiveDraftLength
+from verispec.adaptive.planner import best_width, keep, plan_greedy, ranked_survival, throughput
+from verispec.adaptive.policy import observations
+from verispec.drafters import Draft, ModelDrafter, NgramDrafter
+from verispec.engine import Engine, EngineConfig
+from verispec.sampling import SamplingParams
+from verispec.verify import Verdict
+
+import test_sampling_lossless as T
+from test_sampling_lossless import models  # noqa: F401  (the fixture: tiny target, draft model)
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+# ---- estimator --------------------------------------------------------------------------------
+def test_estimator_recovers_known_slope_and_intercepts():
+    w_true, b_true = 1.3, [2.0, 0.6, -0.4, -1.0]
+    est = AcceptanceEstimator(max_depth=4, refit_every=1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):  # 40 refits, each on a fresh window of 3000 observations
+        d = torch.randint(0, 4, (3000,), generator=g)
+        f = torch.randn(3000, generator=g, dtype=torch.float64) * 1.5
+        p = torch.sigmoid(w_true * f + torch.tensor(b_true, dtype=torch.float64)[d])
+        y = (torch.rand(3000, generator=g, dtype=torch.float64) < p).int()
+        est.observe(f[:, None].tolist(), (d + 1).tolist(), y.tolist(), p.tolist())
+        est.end_step()
+    co = est.coefficients()
+    assert abs(co["slope"][0] - w_true) < 0.08, co
+    for b, t in zip(co["intercepts"], b_true):
+        assert abs(b - t) < 0.12, co
+
+
+def test_estimator_starts_near_uniform_and_intercepts_alone_learn_depth():
+    est = AcceptanceEstimator(max_depth=3, refit_every=1)
+    assert est.predict(None, [1, 2, 3]) == pytest.approx([0.8176] * 3, abs=1e-3)
+    rng = random.Random(1)
+    truth = [0.9, 0.5, 0.2]
+    for _ in range(30):
+        depths = [rng.randint(1, 3) for _ in range(2000)]
+        labels = [int(rng.random() < truth[d - 1]) for d in depths]
+        est.observe(None, depths, labels, [0.5] * len(depths))
+        est.end_step()
+    assert est.predict(None, [1, 2, 3]) == pytest.approx(truth, abs=0.04)
+
+
+def test_censored_observations_of_chains_and_trees():
+    # chain of 4, 2 accepted: nodes 0, 1 accepted, node 2 rejected, node 3 never verified
+    d = Draft([5, 6, 7, 8])
+    assert observations(d, Verdict([5, 6, 9], 2, [0, 1])) == ([0, 1, 2], [1, 1, 0])
+    assert observations(d, Verdict([1], 0, [])) == ([0], [0])
+    # tree: root children 0, 1, 2; node 3 child of 0; node 4 child of 1; node 5 child of 3
+    t = Draft([1, 2, 3, 4, 5, 6], parents=[-1, -1, -1, 0, 1, 3])
+    # node 1 accepted (0 rejected before it), then node 4 rejected: 2 is not observed (a sibling
+    # was accepted first), 3 and 5 are not (their parent 0 was rejected)
+    assert observations(t, Verdict([2, 9], 1, [1])) == ([0, 1, 4], [0, 1, 0])
+
+
+# ---- planner ----------------------------------------------------------------------------------
+def _random_tree(rng, n):
+    parents = []
+    for i in range(n):
+        parents.append(rng.randint(-1, i - 1))
+    return parents
+
+
+def _valid_subsets(parents, n):
+    """Every set of nodes that holds each member's parent and earlier siblings."""
+    out = []
+    for mask in range(1 << n):
+        s = {i for i in range(n) if mask >> i & 1}
+        ok = True
+        for i in s:
+            p = parents[i] if parents is not None else i - 1
+            if p >= 0 and p not in s:
+                ok = False
+            sibs = [j for j in range(i) if (parents[j] if parents is not None else j - 1) == p]
+            if any(j not in s for j in sibs):
+                ok = False
+        if ok:
+            out.append(s)
+    return out
+
+
+def _theta(survival, sets, draft_s, cost):
+    N = len(survival)
+    W = max((len(s) for s in sets), default=0)
+    return (N + sum(survival[r][i] for r, s in enumerate(sets) for i in s)) / (draft_s + cost(N * (1 + W)))
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_planner_window_is_optimal_by_brute_force(shape):
+    rng = random.Random(7 if shape == "chain" else 8)
+    for case in range(60):
+        R = rng.randint(1, 3)
+        parents = [None if shape == "chain" else _random_tree(rng, n)
+                   for n in [rng.randint(0, 4) for _ in range(R)]]
+        sizes = [len(p) if p is not None else rng.randint(0, 4) for p in parents]
+        conf = [[rng.random() for _ in range(n)] for n in sizes]
+        surv = [ranked_survival(c, p) for c, p in zip(conf, parents)]
+        grid = sorted(rng.sample(range(1, 20), 5))
+        prof = CostProfile(grid, C.monotone([rng.uniform(0.01, 0.1) * (1 + g / rng.uniform(2, 10)) for g in grid]))
+        draft_s = rng.uniform(0, 0.05)
+        best = max(_theta(surv, combo, draft_s, prof.verify_cost)
+                   for combo in itertools.product(*[_valid_subsets(p, n) for p, n in zip(parents, sizes)]))
+        W = best_width(surv, draft_s, prof.verify_cost)
+        sets = [set(k) for k in keep(surv, W)]
+        for s, p, n in zip(sets, parents, sizes):  # what the window keeps is admissible
+            assert s in _valid_subsets(p, n)
+        assert _theta(surv, sets, draft_s, prof.verify_cost) == pytest.approx(best, rel=1e-12), case
+        assert throughput(surv, draft_s, prof.verify_cost)[W] == pytest.approx(best, rel=1e-12)
+
+
+def test_greedy_planner_equals_the_optimum_when_cost_is_affine():
+    rng = random.Random(3)
+    for _ in range(200):
+        surv = [ranked_survival([rng.random() for _ in range(rng.randint(0, 6))], None) for _ in range(rng.randint(1, 5))]
+        a, b = rng.uniform(0.01, 0.1), rng.uniform(0.0001, 0.01)
+        cost = lambda n: a + b * n  # noqa: E731
+        assert plan_greedy(surv, 0.01, cost) == best_width(surv, 0.01, cost)
+
+
+def _descendants(parents, i):
+    out, frontier = set(), {i}
+    while frontier:
+        frontier = {j for j, p in enumerate(parents) if p in frontier}
+        out |= frontier
+    return out
+
+
+def test_greedy_admission_never_depends_on_a_node_or_what_was_drawn_after_it():
+    """Changing the confidences of a node's descendants (drawn after it, possibly conditioned on its
+    token) never changes whether the node is admitted by the greedy planner. The argmax planner has
+    no such guarantee (the counterexample below), which is why adaptive-topb uses last step's window."""
+    rng = random.Random(11)
+    cost = CostProfile([1, 4, 8, 16, 32], [0.05, 0.06, 0.09, 0.15, 0.3]).verify_cost
+    for _ in range(300):
+        R = rng.randint(1, 3)
+        parents = [_random_tree(rng, rng.randint(1, 5)) if rng.random() < 0.5 else None for _ in range(R)]
+        sizes = [len(p) if p is not None else rng.randint(1, 5) for p in parents]
+        conf = [[rng.random() for _ in range(n)] for n in sizes]
+        r = rng.randrange(R)
+        i = rng.randrange(sizes[r])
+        par = parents[r] if parents[r] is not None else [j - 1 for j in range(sizes[r])]
+        later = _descendants(par, i)
+        changed = [list(c) for c in conf]
+        for j in later:
+            changed[r][j] = rng.random()
+        admitted = []
+        for cc in (conf, changed):
+            surv = [ranked_survival(c, p) for c, p in zip(cc, parents)]
+            admitted.append(i in keep(surv, plan_greedy(surv, 0.0, cost))[r])
+        assert admitted[0] == admitted[1], "greedy admission of a node changed with its descendants' confidences"
+    # the argmax does look ahead: node 0 is admitted only because its descendants are likely
+    flat = CostProfile([1, 2, 6], [1.0, 1.5, 1.5]).verify_cost
+    sure, unsure = [ranked_survival([0.4, 1, 1, 1, 1], None)], [ranked_survival([0.4, 0, 0, 0, 0], None)]
+    assert best_width(sure, 0.0, flat) == 5 and best_width(unsure, 0.0, flat) == 0
+    assert plan_greedy(sure, 0.0, flat) == plan_greedy(unsure, 0.0, flat) == 0
+
+
+# ---- cost profile -----------------------------------------------------------------------------
+def test_cost_profile_is_monotone_cached_and_extended(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    target = ours_from_hf(build_hf("llama", seed=0))
+    calls = []
+    real = C.measure
+
+    def counting(model, max_tokens, max_batch, **kw):
+        calls.append(max_tokens)
+        return real(model, max_tokens, max_batch, repeats=2)
+
+    monkeypatch.setattr(C, "measure", counting)
+    p1 = load_or_measure(target, 12, 4)
+    assert calls == [64]  # at least 64, so small engines share one profile
+    assert p1.tokens[0] == 1 and p1.tokens[-1] == 64
+    assert all(a <= b for a, b in zip(p1.seconds, p1.seconds[1:]))
+    assert all(p1.verify_cost(n) <= p1.verify_cost(n + 1) for n in range(1, 80))
+    p2 = load_or_measure(target, 40, 4)  # from the cache
+    assert calls == [64] and p2.seconds == p1.seconds
+    load_or_measure(target, 100, 4)  # too short: measured again, further
+    assert calls == [64, 100]
+    path = C.profile_path(C.profile_key(target))
+    assert json.loads(path.read_text())["tokens"][-1] == 100
+    path.write_text("{not json")  # a damaged cache is measured again, not trusted
+    load_or_measure(target, 10, 4)
+    assert calls == [64, 100, 64]
+    with pytest.raises(ValueError, match="not a verispec cost profile"):
+        CostProfile.from_dict({"format": "x"})
+
+
+def test_cost_profile_interpolates_and_forces_monotone():
+    p = CostProfile.from_dict({"format": C.FORMAT, "tokens": [1, 3, 5], "seconds": [1.0, 0.5, 2.0]})
+    assert p.seconds == [1.0, 1.0, 2.0]
+    assert p.verify_cost(4) == pytest.approx(1.5)
+    assert p.verify_cost(7) == pytest.approx(3.0)  # linear past the last point
+    assert C.token_grid(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+
+
+# ---- lossless, through the engine -------------------------------------------------------------
+STEEP = CostProfile([1, 2, 4, 8, 16, 64], [1.0, 1.3, 1.6, 2.4, 4.0, 16.0])  # windows of 0..3 all occur
+
+
+def _run(target, drafter, policy, prompts, sp, max_batch=3, k=4, tree="chain"):
+    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=k, draft_tree=tree, dtype="float32",
+                       max_batch_size=max_batch, max_model_len=96)
+    eng = Engine(target, None, cfg, drafter, policy=policy)
+    seqs = [eng.add_request(p, sp) for p in prompts]
+    while eng.has_work:
+        eng.step()
+    return [s.output_ids for s in seqs], seqs, eng
+
+
+@pytest.mark.parametrize("planner", ["greedy", "topb"])
+@pytest.mark.parametrize("kind,tree", [("ngram", "chain"), ("draft", "chain"), ("ngram", "dynamic:2"),
+                                       ("draft", "dynamic:2")])
+def test_greedy_output_with_adaptive_policy_is_the_targets(planner, kind, tree):
+    from test_greedy_lossless import noisy_copy, prompts_for
+
+    target = ours_from_hf(build_hf("llama", seed=0))
+    prompts = prompts_for(target.config.vocab_size)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain, _, _ = _run(target, None, None, prompts, sp)
+    drafter = NgramDrafter() if kind == "ngram" else ModelDrafter(noisy_copy(target), 3, 96 + 8)
+    policy = AdaptiveDraftLength(STEEP, planner, max_depth=6, refit_every=5)
+    outs, seqs, eng = _run(target, drafter, policy, prompts, sp, k=6, tree=tree)
+    assert outs == plain
+    assert sum(s.stats.drafted for s in seqs) > 0
+    assert policy.estimator.observations > 0 and policy.estimator.refits > 0
+
+
+class _PeekingPolicy(AdaptiveDraftLength):
+    """WRONG on purpose: verifies a drafted token only if its id is even (it looks at the token)."""
+
+    def admit(self, seqs, drafts, draft_seconds):
+        out = []
+        for d in drafts:
+            n = 0
+            while n < len(d.tokens) and d.tokens[n] % 2 == 0:
+                n += 1
+            out.append(d.truncate(n))
+        return out
+
+    def observe(self, seqs, drafts, verdicts):
+        pass
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "adaptive-topb", "peeking"])
+def test_sampled_output_with_adaptive_policy_is_distributed_as_the_target(models, policy):
+    sp = T.SETTINGS["plain"]
+    exact = T.exact_joint(models[0], sp)
+    # at 512 requests a step of 1 + W tokens per request costs: windows of 1 and 2 pay, 3 does not
+    wide = CostProfile([1, 512, 1024, 1536, 2048], [1.0, 1.0, 1.3, 1.45, 1.9])
+    if policy == "peeking":
+        pol = _PeekingPolicy(wide)
+    else:
+        pol = AdaptiveDraftLength(wide, "topb" if policy == "adaptive-topb" else "greedy", max_depth=T.K, refit_every=3)
+    eng = Engine(models[1], None, EngineConfig(model="unused", drafter=None, num_draft_tokens=T.K, dtype="float32",
+                                               max_batch_size=T.BATCH, max_model_len=T.MAX_LEN),
+                 T.make_drafter("draft", models), policy=pol)
+    random.seed(7)  # no per-request seed (a seeded request always verifies its whole draft): the
+    # engine draws each request's seed from Python's generator, seeded here for a repeatable test
+    seqs = [eng.add_request(T.PROMPT, sp) for _ in range(T.N)]
+    outs = T.run_to_end(eng, seqs)
+    codes = torch.tensor([sum(x * T.V ** (T.M - 1 - j) for j, x in enumerate(o)) for o in outs])
+    counts = torch.bincount(codes, minlength=T.V ** T.M).double()
+    thr = T.null_thresholds(exact, T.N)["joint"][0]
+    got = T.tv(counts, exact).item()
+    drafted = sum(s.stats.drafted for s in seqs)  # verified draft tokens
+    print(f"\n[{policy}] TV {got:.4f} threshold {thr:.4f}, verified {drafted} draft tokens, "
+          f"accepted {sum(s.stats.accepted for s in seqs)}")
+    assert drafted > T.N // 2
+    if policy == "peeking":
+        assert got > thr, f"the check missed a policy that looks at the drafted token (TV {got:.4f} < {thr:.4f})"
+    else:
+        assert got < thr, f"TV {got:.4f} >= threshold {thr:.4f}: adaptive admission changed the distribution"
