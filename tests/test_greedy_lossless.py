@@ -9,6 +9,7 @@ import torch
 
 from conftest import FAMILIES, build_hf, ours_from_hf, random_ids
 from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.engine import Engine, EngineConfig
 from verispec.sampling import SamplingParams
 
@@ -52,6 +53,7 @@ DRAFTERS = {
     "layerskip": lambda t, b, L: ModelDrafter(t, b, L, num_layers=t.config.num_layers - 1, name="layerskip"),
     "draft-model": lambda t, b, L: ModelDrafter(noisy_copy(t), b, L),
     "self-draft": lambda t, b, L: ModelDrafter(t, b, L),  # the target drafting for itself: everything accepted
+    "hybrid": lambda t, b, L: HybridDrafter(ModelDrafter(noisy_copy(t), b, L), min_shared=2),
 }
 
 CASES = [(f, d) for f in FAMILIES for d in DRAFTERS]
@@ -120,3 +122,21 @@ def test_stats_are_consistent():
         assert all(0 <= c <= 1 for c in st.acceptance_conditional)
         assert st.reached_at[0] == st.drafts
     assert 0 < sum(s.stats.accepted for s in seqs) < sum(s.stats.drafted for s in seqs)
+
+
+def test_hybrid_uses_both_sources_and_stays_lossless():
+    hf = build_hf("qwen3")
+    target = ours_from_hf(hf)
+    prompts = prompts_for(hf.config.vocab_size)
+    plain, _ = run(target, None, prompts)
+    made = []
+
+    def factory(t, b, L):
+        made.append(HybridDrafter(ModelDrafter(noisy_copy(t), b, L), min_shared=2))
+        return made[-1]
+
+    for tree_k in (4, 8):
+        made.clear()
+        spec, _ = run(target, factory, prompts, k=tree_k)
+        assert spec == plain
+        assert made[0].used["ngram"] > 0 and made[0].used["model"] > 0, made[0].used

@@ -37,6 +37,7 @@ import torch
 from conftest import build_hf, ours_from_hf
 from verispec.distcheck import NullTV, exact_distribution, null_counts, tv
 from verispec.drafters import ModelDrafter, NgramDrafter
+from verispec.drafters.hybrid import HybridDrafter
 from verispec.engine import Engine, EngineConfig
 from verispec.sequence import SpecStats
 from verispec.sampling import SamplingParams, probs, sample
@@ -185,6 +186,8 @@ def make_drafter(kind: str, models):
         return ModelDrafter(draft, BATCH, MAX_LEN + K + 1)
     if kind == "layerskip":
         return ModelDrafter(target, BATCH, MAX_LEN + K + 1, num_layers=1)
+    if kind == "hybrid":  # n-gram (one-hot q) after a 2-token match, the draft model (sampled q) elsewhere
+        return HybridDrafter(ModelDrafter(draft, BATCH, MAX_LEN + K + 1), min_shared=2)
     raise ValueError(kind)
 
 
@@ -237,6 +240,7 @@ def check(models, kind: str, setting: str, seed0: int):
 
 
 CASES = [(kind, setting) for kind in ("none", "ngram", "draft", "layerskip") for setting in ("plain", "processed")]
+CASES += [("hybrid", "plain")]
 
 
 @pytest.mark.parametrize("kind,setting", CASES)
