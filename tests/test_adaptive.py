@@ -297,3 +297,35 @@ def test_sampled_output_with_adaptive_policy_is_distributed_as_the_target(models
         assert got > thr, f"the check missed a policy that looks at the drafted token (TV {got:.4f} < {thr:.4f})"
     else:
         assert got < thr, f"TV {got:.4f} >= threshold {thr:.4f}: adaptive admission changed the distribution"
+
+
+def test_metrics_report_budget_coefficients_and_predicted_against_observed():
+    from test_greedy_lossless import prompts_for
+    from verispec.server.metrics import Metrics
+
+    target = ours_from_hf(build_hf("llama", seed=0))
+    policy = AdaptiveDraftLength(STEEP, "greedy", max_depth=4, refit_every=5)
+    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4, dtype="float32", max_batch_size=3,
+                       max_model_len=96)
+    eng = Engine(target, None, cfg, NgramDrafter(), policy=policy)
+    m = Metrics("tiny")
+    for p in prompts_for(target.config.vocab_size)[:3]:
+        eng.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+    steps = 0
+    while eng.has_work:
+        eng.step()
+        m.observe_engine(eng)
+        m.observe_engine(eng)  # a look without a step counts nothing twice
+        steps += 1
+    text = m.render().decode()
+    values = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    lbl = '{model_name="tiny"}'
+    assert values[f"verispec:spec_decode_adaptive_budget_tokens_count{lbl}"] == policy.steps
+    assert values[f"verispec:spec_decode_adaptive_budget_tokens_sum{lbl}"] > 0
+    est = policy.estimator
+    assert est.observations > 0
+    assert values[f"verispec:spec_decode_adaptive_observations_total{lbl}"] == est.observations
+    assert values[f"verispec:spec_decode_adaptive_observed_accepted_total{lbl}"] == est.observed_sum
+    assert values[f"verispec:spec_decode_adaptive_predicted_accepted_total{lbl}"] == pytest.approx(est.predicted_sum)
+    assert values['verispec:spec_decode_adaptive_estimator_coefficient{index="0",kind="intercepts",model_name="tiny"}'] \
+        == pytest.approx(est.coefficients()["intercepts"][0])
