@@ -196,6 +196,18 @@ def test_end_to_end_training_raises_acceptance(tiny, tmp_path):
     print(f"EAGLE-3 engine acceptance rate: untrained {a0:.3f} -> trained {a1:.3f}; held-out {ev['acceptance_conditional']}")
     assert a1 > a0 + 0.2 and a1 > 0.3, (a0, a1)
 
+    # train <-> serve: the trainer's held-out acceptance, measured by the engine at the same anchors
+    from verispec.train.consistency import engine_acceptance_at_every_anchor
+
+    _, val = d.split(cfg.val_fraction, cfg.seed)
+    samples = [(d.samples[j].ids, d.samples[j].mask) for j in val]
+    ours = engine_acceptance_at_every_anchor(target, Eagle3Drafter(trained, target, 16, 70), samples, 3, max_model_len=64)
+    print(f"trainer {ev['acceptance_unconditional']} vs engine {ours['acceptance_unconditional']} "
+          f"at {ours['anchors']} anchors")
+    assert ours["anchors"] > 50
+    for a, b in zip(ev["acceptance_unconditional"], ours["acceptance_unconditional"]):
+        assert abs(a - b) <= 0.01, (ev["acceptance_unconditional"], ours["acceptance_unconditional"])
+
 
 def test_bf16_and_ce_options_run(tiny, tmp_path):
     target, folder, data, _ = tiny

@@ -13,7 +13,8 @@ compute exactly the loss one process would on the same global batch.
 
 Metrics per step: `acc_s` = draft argmax == data token (with greedy-regenerated data, the target's
 argmax: an acceptance estimate), and `acc_all_s` = steps 0..s all correct at that anchor (the chance
-a chain drafts s + 1 accepted tokens).
+a chain drafts s + 1 accepted tokens), over the anchors the engine can draft from (x_{i+1} a
+response token); train/consistency.py measures the same numbers through the engine.
 """
 
 from __future__ import annotations
@@ -73,13 +74,17 @@ def eagle3_loss(
         den = reduce(cnt.detach().clone()) if reduce else cnt
         total = total + (decay**s) * num / den.clamp_min(1.0)
         with torch.no_grad():
+            # acceptance at the anchors the engine drafts from: x_{i+1} is a response token (the
+            # first response token comes from the prefill, never from a draft); a data token
+            # outside the draft vocabulary counts as a miss, as it does in the engine
+            ma = ok[:, 2 + s : 2 + s + n] & ok[:, 1 : 1 + n]
             pred = d2t_ids[lg.argmax(-1)]
-            correct = (pred == tgt_tok) & m
+            correct = (pred == tgt_tok) & ma
             all_ok = correct if prev_ok is None else (correct & prev_ok[:, :n])
             prev_ok = all_ok
             metrics[f"loss_{s}"] = (num.detach(), cnt)
-            metrics[f"acc_{s}"] = (correct.sum().float(), cnt)
-            metrics[f"acc_all_{s}"] = (all_ok.sum().float(), cnt)
+            metrics[f"acc_{s}"] = (correct.sum().float(), ma.sum().float())
+            metrics[f"acc_all_{s}"] = (all_ok.sum().float(), ma.sum().float())
     return total, metrics
 
 
