@@ -102,8 +102,18 @@ class Served:
         if cprofile:
             self._profile("engine thread", self.worker, "_run")
         self.server = ThreadServer(self.app)
-        if cprofile:
-            self._profile("event loop thread", self.server.server, "run")
+        if cprofile:  # uvicorn's serve() runs on the event loop thread
+            prof, serve = cProfile.Profile(), self.server.server.serve
+            self.profiles["event loop thread"] = prof
+
+            async def profiled_serve(*a, **kw):
+                prof.enable()
+                try:
+                    return await serve(*a, **kw)
+                finally:
+                    prof.disable()
+
+            self.server.server.serve = profiled_serve
         self.server.start()
 
     def _profile(self, label, obj, attr):
@@ -192,14 +202,13 @@ def main():
             cpu = dict(engine=d.get(eng_tid, 0.0), loop=d.get(loop_tid, 0.0),
                        others=sum(v for t, v in d.items() if t not in (loop_tid, eng_tid)), client=res["cpu"])
             report(m.name, r, "server", res["tokens"] / res["seconds"], m.timer.summary(), res["seconds"], cpu)
-    if args.cprofile:
-        for m in methods:
-            for label, prof in m.profiles.items():
-                s = io.StringIO()
-                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-                print(f"==== {m.name}: {label} (tottime)\n" + s.getvalue()[-6000:])
-    for m in methods:
+    for m in methods:  # (ends the profiled threads, so that their profiles can be read)
         m.server.stop()
+    for m in methods:
+        for label, prof in m.profiles.items():
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+            print(f"==== {m.name}: {label} (tottime)\n" + s.getvalue()[-6000:])
 
 
 if __name__ == "__main__":

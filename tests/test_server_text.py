@@ -137,6 +137,21 @@ def test_a_slow_tokenizer_or_python_clean_up_falls_back_to_whole_decodes():
     assert stream_text(tok, ids)[0] == tok.decode(ids, skip_special_tokens=True) == " the. a.x"
 
 
+def test_if_the_streaming_decoder_fails_the_stream_goes_on_with_whole_decodes():
+    tok = sentencepiece_tokenizer(*GEMMA)
+    ids = [tok.convert_tokens_to_ids(p) for p in ["▁the", "日", "<0xE6>", "<0x97>", "<0xA5>", "▁a", "b"]]
+
+    class Broken:
+        def step(self, *a):
+            raise RuntimeError("invalid prefix")
+
+    d, out = Detokenizer(tok), []
+    out.append(d.add(ids[0]))
+    d.stream = Broken()
+    out += [d.add(t) for t in ids[1:]] + [d.flush()]
+    assert d.stream is None and "".join(p for p in out if p) == tok.decode(ids, skip_special_tokens=True)
+
+
 # ---- stop strings ---------------------------------------------------------------------------------
 def test_stop_strings_cut_the_text_and_count_the_tokens_before_them():
     tok = char_tokenizer()

@@ -147,7 +147,6 @@ class Detokenizer:
         self.n_chars = 0  # characters released so far
         self.held = 0  # tokens at the end of ids whose text is not released yet
         self._unfed: list[int] = []  # held tokens not given to the stream yet (an open byte run)
-        self._in_run = False
 
     def add(self, token: int) -> str | None:
         self.ids.append(token)
@@ -158,14 +157,12 @@ class Detokenizer:
                 self.held = 0
                 return ""
             return None
-        if token in plan.byte_ids:
-            self._in_run = True
+        if self.stream is not None:
             self._unfed.append(token)
+        if token in plan.byte_ids:  # the run's text is final only once a token that is not a byte ends it
             return None
-        self._in_run = False
         if self.stream is None:
             return self._release(self._decode_all(hold_incomplete=True))
-        self._unfed.append(token)
         feed, self._unfed = self._unfed, []
         try:
             piece = self.stream.step(self.plan.backend, feed)
@@ -179,7 +176,7 @@ class Detokenizer:
         """The text of the tokens still held back (the output is complete)."""
         if not self.held:
             return ""
-        self._unfed, self._in_run = [], False
+        self._unfed = []
         return self._release(self._decode_all(hold_incomplete=False)) or ""
 
     def _decode_all(self, hold_incomplete: bool) -> str | None:
