@@ -455,6 +455,56 @@ def test_serve_logs_its_address_and_drains_on_sigterm(tmp_path):
         srv.stop()
 
 
+# ---- 7. the engine thread only steps; text, stop strings and SSE happen on the event loop -----------
+def test_the_engine_thread_hands_each_step_off_once_and_never_touches_text(srv):
+    from verispec.server import text as text_mod
+
+    worker, pushes, deliveries = srv.app.state.worker, [], []
+    orig_push, orig_deliver = text_mod.TextStream.push, worker._deliver
+
+    def push(self, *a, **kw):
+        pushes.append(threading.current_thread().name)
+        return orig_push(self, *a, **kw)
+
+    def deliver(batch):
+        deliveries.append(len(batch))
+        return orig_deliver(batch)
+
+    text_mod.TextStream.push, worker._deliver = push, deliver
+    try:
+        with EngineHook(srv.engine, lambda eng, call: time.sleep(0.01)) as hook:
+            _, results = _run_clients(srv.url, 4, 0, max_tokens=24, extra={"stop": ["zz"]})
+    finally:
+        text_mod.TextStream.push, worker._deliver = orig_push, orig_deliver
+    assert all(kind == "ok" for kind, _ in results)
+    assert pushes and "verispec-engine" not in pushes
+    assert len(deliveries) <= hook.calls  # one hand-off per step, not one per request
+    assert max(deliveries) > 1  # ... and the steps did serve several requests at once
+
+
+def test_a_stop_string_found_on_the_event_loop_ends_the_request_in_the_engine_within_a_step(srv):
+    """The event loop finds the stop string while the engine already runs the next step; the
+    request leaves the engine right after that step, instead of decoding on to max_tokens."""
+    kw = dict(prompt=CODE, max_tokens=300, ignore_eos=True, temperature=0)
+    text = completion(srv.url, **kw)["choices"][0]["text"]
+    i, stop = next((i, text[i : i + 2]) for i in range(6, 40) if text.find(text[i : i + 2]) == i)
+    seen = []  # before each step: (sequence, tokens it had generated), for every running sequence
+
+    def slow(eng, call):
+        time.sleep(0.05)  # the event loop has time to see each step's tokens before the next one
+        seen.extend((s, s.num_output) for s in eng.running)
+
+    with EngineHook(srv.engine, slow):
+        r = completion(srv.url, **kw, stop=[stop])
+        assert r["choices"][0]["text"] == text[:i] and r["choices"][0]["finish_reason"] == "stop"
+        seq = next(s for s, _ in seen if s.prompt_ids == TOK(CODE).input_ids)
+        assert wait_for(lambda: seq.finish_reason is not None)  # the answer may leave before the engine acts
+    n_stop = next(n for n in range(1, seq.num_output + 1) if stop in TOK.decode(seq.output_ids[:n], skip_special_tokens=True))
+    steps_after = [n for s, n in seen if s is seq and n >= n_stop]
+    assert len(steps_after) <= 1, (n_stop, steps_after)
+    assert seq.finish_reason == "abort" and seq.num_output < 300
+
+
 # ---- the property that must survive all of the above ------------------------------------------------
 def test_64_concurrent_mixed_streams_each_equal_the_same_request_alone(srv):
     reqs = []

@@ -332,7 +332,12 @@ def _spec_stats(handles) -> dict:
 
 
 async def _merge(gens):
-    """Interleave several async generators (the n choices of one request) as items arrive."""
+    """Interleave several async generators (the n choices of one request) as items arrive. One
+    generator (n = 1, nearly every request) is read directly: no task and no queue per chunk."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield item
+        return
     q: asyncio.Queue = asyncio.Queue()
     DONE = object()
 

@@ -119,20 +119,38 @@ class EngineWorker:
                 self._step_failed(e)
                 self.metrics.observe_engine(eng)
                 continue
-            now = time.perf_counter()
-            for ev in events:
-                h = self.handles.get(ev.seq.id)
-                if h is None:
-                    continue
-                if h.first_token_at is None and ev.new_tokens:
-                    h.first_token_at = now
-                    self.metrics.ttft.observe(now - h.arrived)
-                if ev.finished:
-                    self._finish(h, ev.seq.finish_reason, ev.new_tokens)
-                else:
-                    self._send(h, ev.new_tokens, None)
+            self._hand_off(events)
             self.metrics.observe_engine(eng)
         self._end_all("abort")  # shutdown: close the streams cleanly
+
+    def _hand_off(self, events) -> None:
+        """Give a step's tokens to the HTTP side: one call into each event loop per step, however
+        many requests the step served. Text, stop strings, SSE and metrics happen there, so the
+        engine thread goes straight on to the next step. A request that finished is marked done
+        here first (the HTTP side that sees its terminal event may release it at once)."""
+        now = time.perf_counter()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for ev in events:
+            h = self.handles.get(ev.seq.id)
+            if h is None:
+                continue
+            first = h.first_token_at is None and bool(ev.new_tokens)
+            if first:
+                h.first_token_at = now
+            reason = None
+            if ev.finished:
+                reason = ev.seq.finish_reason
+                self._mark_done(h, reason)
+            batches.setdefault(h.loop, []).append((h, ev.new_tokens, reason, first))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(self._deliver, batch)
+
+    def _deliver(self, batch) -> None:
+        """On the event loop: queue each request's new tokens for its handler."""
+        for h, tokens, reason, first in batch:
+            if first:
+                self.metrics.ttft.observe(h.first_token_at - h.arrived)
+            h.events.put_nowait((tokens, reason))
 
     def _read_inbox(self, block: bool) -> None:
         while True:
@@ -211,9 +229,12 @@ class EngineWorker:
         side that sees the event may release h at once and must find it done)."""
         if h.done:
             return
+        self._mark_done(h, reason)
+        if send:
+            self._send(h, tokens or [], reason)
+
+    def _mark_done(self, h: Handle, reason: str) -> None:
         h.finish_reason, h.finished_at = reason, time.perf_counter()
         if h.seq is not None:
             self.handles.pop(h.seq.id, None)
         h.done = True
-        if send:
-            self._send(h, tokens or [], reason)
