@@ -3,7 +3,7 @@ interop test. It runs in vLLM's own virtual environment (benchmarks/vllm_env.sh)
 vLLM and the standard library only, never verispec.
 
     VENV/bin/python vllm_worker.py '{"model": DIR, "dtype": "bfloat16", "max_model_len": 512,
-                                     "speculative_config": null, "seed": 0}'
+                                     "speculative_config": null, "seed": 0, "llm_kwargs": {}}'
 
 It loads one `vllm.LLM`, answers one JSON line {"ready": true, "vllm": VERSION, ...} (or
 {"error": ...}), then serves one request per stdin line:
@@ -64,9 +64,12 @@ def serve(conf: dict, out) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    kwargs = dict(conf.get("llm_kwargs", {}))
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # everything in this one process
+        kwargs.setdefault("distributed_executor_backend", "uni")
     llm = LLM(model=conf["model"], dtype=conf.get("dtype", "bfloat16"), max_model_len=conf["max_model_len"],
               speculative_config=conf.get("speculative_config"), seed=conf.get("seed", 0),
-              disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=conf.get("max_num_seqs", 1))
+              disable_log_stats=False, enable_prefix_caching=False, max_num_seqs=1, **kwargs)
     engine = llm.llm_engine
     out.write(json.dumps({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0}) + "\n")
     for n, line in enumerate(sys.stdin):
