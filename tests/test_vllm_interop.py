@@ -69,6 +69,14 @@ def export_config(drafter, folder, capsys) -> dict:
 
 
 def verispec_run(target, drafter_dir, prompts):
+    """verispec's greedy outputs (MAX_TOKENS each) and its statistics over the steps vLLM counts.
+
+    vLLM drafts K tokens at every step, also the last ones, and counts the acceptance of the tokens
+    it then cuts at max_tokens; verispec drafts at most the tokens a request may still emit. So the
+    request runs K + 1 tokens longer here and the statistics are read after the step that reached
+    MAX_TOKENS: the same steps, each with a full draft, as vLLM's counters cover."""
+    import copy
+
     from verispec.drafters.eagle3 import Eagle3Drafter, load_eagle3
     from verispec.engine import Engine, EngineConfig
     from verispec.sampling import SamplingParams
@@ -80,11 +88,14 @@ def verispec_run(target, drafter_dir, prompts):
                  Eagle3Drafter(load_eagle3(drafter_dir, target), target, 1, max_len + K + 1))
     outs, total = [], SpecStats()
     for p in prompts:
-        s = eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        s = eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS + K + 1, ignore_eos=True))
+        seen = None
         while eng.has_work:
             eng.step()
-        outs.append(s.output_ids)
-        total.merge(s.stats)
+            if seen is None and s.num_output >= MAX_TOKENS:
+                seen = copy.deepcopy(s.stats)
+        outs.append(s.output_ids[:MAX_TOKENS])
+        total.merge(seen)
     return outs, total
 
 
