@@ -177,6 +177,9 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     # fp32 greedy: transformers' generate and our engine emit the same tokens
     assert equality([t for t in traces if t.method == "hf plain"], [t for t in traces if t.method == "plain"])[
         "identical"] == 6
+    assert rep["peer_outputs_vs_verispec_plain"]["hf pld:3"] == equality(
+        [t for t in traces if t.method == "hf pld:3"], [t for t in traces if t.method == "plain"])
+    assert set(rep["peer_outputs_vs_verispec_plain"]) == {"hf plain", "hf pld:3"}  # peers only
     assert rep["exact_cost"]["ngram"]["outputs_equal_normal"]["total"] == 6
     assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 4
     assert all(p["identical_to_single_stream_plain"] == {"identical": p["requests"], "total": p["requests"]}
@@ -278,7 +281,11 @@ def test_peer_specs_are_checked(capsys):
 
     assert main(["bench", "--peers", "hf-pld:x"]) == 2
     assert "take a number" in capsys.readouterr().err
-    assert main(["bench", "--peers", "vllm"]) == 2
+    assert main(["bench", "--peers", "vllm:x"]) == 2
+    assert "vllm takes no argument" in capsys.readouterr().err
+    assert main(["bench", "--peers", "vllm-ngram:x"]) == 2
+    assert "vllm-ngram:K a number" in capsys.readouterr().err
+    assert main(["bench", "--peers", "sglang"]) == 2
     assert "unknown peer" in capsys.readouterr().err
 
 

@@ -349,9 +349,14 @@ def test_bad_checkpoints_are_refused(llama, tmp_path):
         load_eagle3(variant("verifier", verifier), target)
 
     def layers(cfg):
-        cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 9]
+        cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 10]  # speculators ids: outputs of layers 0, 1, 9
     with pytest.raises(CheckpointError, match="out of range"):
         load_eagle3(variant("layers", layers), target)
+
+    def embeddings(cfg):
+        cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    with pytest.raises(CheckpointError, match="embeddings"):
+        load_eagle3(variant("embeddings", embeddings), target)
     with pytest.raises(CheckpointError, match="shape"):
         load_eagle3(variant("shape", edit_sd=lambda sd: sd.update({"lm_head.weight": sd["lm_head.weight"][:10]})), target)
     corrupt = tmp_path / "corrupt"

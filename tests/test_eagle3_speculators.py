@@ -74,7 +74,8 @@ def test_export_loads_in_speculators(verifier, tmp_path, flags):
     m.save(tmp_path / "ck", dtype=torch.float32)
     theirs = Eagle3DraftModel.from_pretrained(str(tmp_path / "ck"))
     assert isinstance(theirs.config, Eagle3SpeculatorConfig)
-    assert theirs.config.eagle_aux_hidden_state_layer_ids == m.config.aux_layers
+    # speculators (and vLLM) count hidden states like transformers' hidden_states: layer i's output is id i + 1
+    assert theirs.config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in m.config.aux_layers]
     assert theirs.config.fc_norm == m.config.fc_norm and theirs.config.norm_output == m.config.norm_output
     sd = theirs.state_dict()
     for k, v in m.state_dict().items():
@@ -107,7 +108,7 @@ def test_speculators_checkpoint_imports_into_ours(verifier, tmp_path):
                      max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
     tl._attn_implementation = "eager"
     cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=tl, draft_vocab_size=48, eagle_aux_hidden_state_layer_ids=[0, 1, 3], fc_norm=True,
+        transformer_layer_config=tl, draft_vocab_size=48, eagle_aux_hidden_state_layer_ids=[1, 2, 4], fc_norm=True,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
             default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=str(vpath),

@@ -19,6 +19,14 @@ from pathlib import Path
 
 GEMMA_TURN = "<start_of_turn>{role}\n{text}<end_of_turn>\n"
 GEMMA_TURN_END = "<end_of_turn>"
+# The same Gemma turn format as a chat template, written into converted Gemma folders that come
+# without one, so that transformers and vLLM render a conversation as `render_chat` does (system
+# turns as user turns, one BOS; tests/test_checkpoint.py checks the ids are the same).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' + m['content'] + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
 
 
 def render_chat(tokenizer, model_type: str | None, messages: list[dict]) -> str:

@@ -60,7 +60,9 @@ def add_parser(sub) -> None:
                    help="hf (transformers generate), hf-pld[:K] (its prompt lookup; K defaults to -k), "
                         "hf-assist:PATH (its assisted generation with a draft model folder), llama.cpp and "
                         "llama.cpp-pld[:K] (plain / prompt lookup, when llama-cpp-python is installed: "
-                        "pip install 'verispec[llama]'); 'none' for no peers")
+                        "pip install 'verispec[llama]'); vllm, vllm-ngram[:K] and vllm-eagle3[:DIR] (vLLM in its "
+                        "own venv, made by benchmarks/vllm_env.sh; DIR defaults to the eagle3 drafter in "
+                        "--drafters); 'none' for no peers")
     b.add_argument("--concurrency", type=_ints, default=_ints(DEFAULT_CONCURRENCY),
                    help=f"load sweep levels (default {DEFAULT_CONCURRENCY}); 'none' to skip")
     b.add_argument("--sweep-via", type=_list, default=["engine"],
@@ -101,9 +103,11 @@ def _check(args) -> None:
         name, _, k = p.partition(":")
         if name in ("hf-pld", "llama.cpp-pld") and k and not k.isdigit() or name == "hf-assist" and not k:
             raise UserError(f"bad peer {p!r}: hf-pld:K / llama.cpp-pld:K take a number, hf-assist:PATH a draft model")
-        if name not in ("hf", "hf-pld", "hf-assist", "llama.cpp", "llama.cpp-pld"):
-            raise UserError(f"unknown peer {p!r}; use hf, hf-pld[:K], hf-assist:PATH, llama.cpp, llama.cpp-pld[:K] "
-                            f"or none")
+        if name in ("vllm-ngram",) and k and not k.isdigit() or name == "vllm" and k:
+            raise UserError(f"bad peer {p!r}: vllm takes no argument, vllm-ngram:K a number")
+        if name not in ("hf", "hf-pld", "hf-assist", "llama.cpp", "llama.cpp-pld", "vllm", "vllm-ngram", "vllm-eagle3"):
+            raise UserError(f"unknown peer {p!r}; use hf, hf-pld[:K], hf-assist:PATH, llama.cpp, llama.cpp-pld[:K], "
+                            f"vllm, vllm-ngram[:K], vllm-eagle3[:DIR] or none")
 
 
 def cmd_bench(args) -> int:
@@ -240,6 +244,16 @@ def _peers(args, max_len: int, ignore_eos: bool, notes: list[str], log) -> list:
             import torch
 
             out += peers.llama_methods(path, torch.get_num_threads(), max_len, ignore_eos, ks["llama.cpp-pld"])
+    vllm_peers = [p for p in args.peers if p.partition(":")[0] in ("vllm", "vllm-ngram", "vllm-eagle3")]
+    if vllm_peers:
+        import torch
+
+        from ..models import hf_folder
+        from .vllm_peer import vllm_methods
+
+        eagle3 = [d.split("@")[0].removeprefix("eagle3:") for d in args.drafters if d.startswith("eagle3:")]
+        out += vllm_methods(hf_folder(args.model), vllm_peers, args.num_draft_tokens, args.dtype, max_len,
+                            torch.get_num_threads(), eagle3, notes, ignore_eos, log)
     return out
 
 

@@ -11,7 +11,7 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
-from .metrics import DEFINITIONS, Trace, speedups, summarize
+from .metrics import DEFINITIONS, Trace, equality, speedups, summarize
 
 
 def environment() -> dict:
@@ -82,6 +82,8 @@ def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | Non
     if "plain" in by_method:  # every method against verispec plain decoding, paired, cross-engine
         report["vs_verispec_plain"] = {m.name: speedups(by_method[m.name], by_method["plain"])["round"]
                                        for m in methods if m.name != "plain"}
+        report["peer_outputs_vs_verispec_plain"] = {m.name: equality(by_method[m.name], by_method["plain"])
+                                                    for m in methods if m.family != "verispec"}
     exact_cost = {}
     for m in methods:
         if m.name.endswith(" [exact]") and m.name[: -len(" [exact]")] in by_method:
@@ -131,6 +133,10 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 def _acc(s: dict) -> str:
     return _f(s["acceptance_rate"], 3) if s.get("drafted") else "-"
+
+
+def _ident(e: dict | None) -> str:
+    return f"{e['identical']}/{e['total']}" if e else "-"
 
 
 def _eq(s: dict) -> str:
@@ -195,6 +201,9 @@ def console(report: dict) -> str:
                        f"or {c['outside_support']} samples outside the support)")
     for n, ps in report["mismatches"].items():
         out.append(f"MISMATCH: {n} differs from its plain decoding on {len(ps)} prompt(s): {', '.join(ps[:8])}")
+    for n, e in report.get("peer_outputs_vs_verispec_plain", {}).items():
+        out.append(f"peer {n}: greedy output identical to verispec plain on {e['identical']}/{e['total']} requests, "
+                   f"tok/s {_s(report['vs_verispec_plain'][n])} x verispec plain (paired rounds)")
     out += [f"note: {n}" for n in report["notes"]]
     out.append("legend: tau = tokens per target forward after prefill, bonus included; speed-up = paired tok/s "
                "ratio vs the same engine's plain decoding (per round: ratio of totals); tok/s include prefill; "
@@ -245,7 +254,9 @@ def markdown(report: dict, plots: list[str]) -> str:
         md += ["## Per category", "", group_table(report["by_category"]), ""]
     if report.get("vs_verispec_plain"):
         md += ["## Everything vs verispec plain decoding (paired, median [min, max] over rounds)", "",
-               table(["method", "tok/s ratio"], [[n, _s(s)] for n, s in report["vs_verispec_plain"].items()]), ""]
+               table(["method", "tok/s ratio", "greedy output identical to verispec plain"],
+                     [[n, _s(s), _ident(report.get("peer_outputs_vs_verispec_plain", {}).get(n))]
+                      for n, s in report["vs_verispec_plain"].items()]), ""]
     if report.get("exact_cost"):
         md += ["## Cost of exact mode", "", exact_table(report["exact_cost"]), ""]
     if report.get("sampled_check"):

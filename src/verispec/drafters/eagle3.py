@@ -94,7 +94,7 @@ class Eagle3Config:
             "speculators_version": "0.9.0",
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": None,
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
+            "eagle_aux_hidden_state_layer_ids": to_speculators_layers(self.aux_layers),
             "norm_before_residual": self.norm_before_residual,
             "norm_before_fc": self.norm_before_fc,
             "fc_norm": self.fc_norm,
@@ -155,12 +155,15 @@ class Eagle3Config:
             _check_ints(d, where, "", "draft_vocab_size")
             if not isinstance(aux, list) or not all(_is_int(i) for i in aux):
                 raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of integers, got {aux!r}")
+            if any(i < 1 for i in aux):
+                raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} name the embeddings (id 0) or a "
+                                      f"negative id; verispec taps layer outputs only (ids 1 and up)")
             ths = d.get("target_hidden_size")
             if ths is not None and ths != H:
                 raise CheckpointError(f"{where}: target_hidden_size {ths} != draft hidden size {H} (not supported)")
             return cls(
                 hidden_size=H, vocab_size=tl["vocab_size"], draft_vocab_size=d.get("draft_vocab_size", tl["vocab_size"]),
-                aux_layers=list(aux), num_heads=nh, num_kv_heads=tl.get("num_key_value_heads", nh),
+                aux_layers=from_speculators_layers(aux), num_heads=nh, num_kv_heads=tl.get("num_key_value_heads", nh),
                 head_dim=tl.get("head_dim") or H // nh, intermediate_size=tl["intermediate_size"],
                 num_layers=tl.get("num_hidden_layers", 1), rms_norm_eps=tl.get("rms_norm_eps", 1e-6), rope_theta=theta,
                 max_position_embeddings=tl.get("max_position_embeddings", 4096), fc_norm=bool(d.get("fc_norm", False)),
@@ -175,6 +178,17 @@ class Eagle3Config:
             raise CheckpointError(f"{where}: required field {e} is missing") from e
         except (TypeError, ValueError, AttributeError) as e:  # e.g. head_dim derived from a hidden size that is a string
             raise CheckpointError(f"{where}: {e}") from e
+
+
+def to_speculators_layers(aux_layers: list[int]) -> list[int]:
+    """verispec's aux layer i is the output of target layer i; the speculators format (and vLLM,
+    which reads it) counts hidden states as transformers' `hidden_states` does: id 0 the embeddings,
+    id i the state entering layer i, so the output of layer i is id i + 1."""
+    return [i + 1 for i in aux_layers]
+
+
+def from_speculators_layers(ids: list[int]) -> list[int]:
+    return [i - 1 for i in ids]
 
 
 def _is_int(v) -> bool:

@@ -3,7 +3,10 @@
 GGUF files are de-quantized once through transformers' GGUF reader (about 40 s for Gemma 3 270M
 on 2 cores) and the result is cached as an ordinary Hugging Face folder (config.json +
 model.safetensors + tokenizer files) under `~/.cache/verispec` (or `$VERISPEC_CACHE`), keyed by the
-file's size and modification time; later starts load that folder in seconds.
+file's size and modification time; later starts load that folder in seconds. The folder is a
+complete checkpoint (architectures, generation config, chat template: `checkpoint.py`) that
+transformers and vLLM load as it is; a folder converted by an older verispec is completed in place
+the next time it is used.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint
 from .config import ModelConfig
 from .model import CausalLM
 
@@ -68,6 +72,10 @@ def hf_folder(name: str) -> Path:
     out = cache_root() / "converted" / f"{p.stem}-{key}"
     if not (out / "DONE").exists():
         _convert_gguf(p, out)
+    elif checkpoint.folder_format(out) < checkpoint.FORMAT:
+        log.info("completing %s (converted by an older verispec) so that transformers and vLLM load it", out)
+        checkpoint.complete(out, checkpoint.gguf_metadata(p))
+        (out / "DONE").write_text(checkpoint.done_marker(p))
     return out
 
 
@@ -105,13 +113,15 @@ def _convert_gguf(path: Path, out: Path) -> None:
     tmp.mkdir(parents=True)
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(hf).__name__]  # None from the GGUF reader; vLLM picks its model by it
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)
     save_file(sd, str(tmp / "model.safetensors"))
     tok.save_pretrained(str(tmp))
-    (tmp / "DONE").write_text(str(path))
+    checkpoint.complete(tmp, checkpoint.gguf_metadata(path))
+    (tmp / "DONE").write_text(checkpoint.done_marker(path))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 

@@ -1,0 +1,145 @@
+"""vLLM serves the EAGLE-3 drafters verispec trains, unchanged (issue 13).
+
+For a tiny Llama and a tiny Qwen3 target made here (vLLM's Gemma 3 lacks the EAGLE-3 interface),
+an EAGLE-3 head is trained for a few hundred steps, exported with `verispec export --vllm`, and
+run in vLLM with the --speculative-config that command prints. Greedy outputs must be identical
+to verispec's, and vLLM's per-position acceptance within 0.03 of verispec's. vLLM runs in its own
+venv (benchmarks/vllm_env.sh); without it the test is skipped. About 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import _randomize, random_ids
+from verispec.bench import vllm_peer as V
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    V.venv_python() is None, reason=f"vLLM's venv {V.venv_dir()} is absent (bash benchmarks/vllm_env.sh makes it)")]
+
+VOCAB, LAYERS, K, MAX_TOKENS = 64, 8, 3, 32
+
+
+def make_target(family: str, folder):
+    """A random target small enough for seconds of training, with head_dim 64 (vLLM's CPU attention
+    takes 32 and up). Embeddings scaled x12 make the next token lean on the current one, so a
+    drafter can learn the target's text from a few dozen samples."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = LlamaConfig(**common, tie_word_embeddings=False) if family == "llama" else \
+        Qwen3Config(**common, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(hf, 1)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(12.0)
+    hf.save_pretrained(str(folder))
+
+
+def train_drafter(target, folder, work):
+    from verispec.drafters.eagle3 import default_aux_layers
+    from verispec.train.data import build_dataset
+    from verispec.train.trainer import TrainConfig, train
+
+    prompts = [random_ids(n, VOCAB, seed=300 + i)[0].tolist() for i, n in enumerate([4, 6, 9, 5, 7, 3, 8, 6] * 8)]
+    build_dataset(target, prompts, work / "data", default_aux_layers(LAYERS), max_tokens=24, shard_size=16,
+                  batch_size=8, meta={"model": str(folder)})
+    cfg = TrainConfig(data=str(work / "data"), out=str(work / "drafter"), draft_vocab_size=VOCAB, ttt_steps=K, lr=1e-2,
+                      batch_size=8, steps=300, save_every=1000, bf16=False, progress=False, val_fraction=0.125,
+                      intermediate_size=256, warmup_ratio=0.05, export_dtype="float32", train_lm_head=True)
+    return train(cfg, target)
+
+
+def export_config(drafter, folder, capsys) -> dict:
+    """The --speculative-config that `verispec export --vllm` prints."""
+    from verispec.cli import main
+
+    capsys.readouterr()
+    assert main(["export", "--vllm", str(drafter), "-k", str(K), "--model", str(folder)]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "--speculative-config" in ln and ln.startswith("#"))
+    return json.loads(line.split("'")[1])
+
+
+def verispec_run(target, drafter_dir, prompts):
+    """verispec's greedy outputs (MAX_TOKENS each) and its statistics over the steps vLLM counts.
+
+    vLLM drafts K tokens at every step, also the last ones, and counts the acceptance of the tokens
+    it then cuts at max_tokens; verispec drafts at most the tokens a request may still emit. So the
+    request runs K + 1 tokens longer here and the statistics are read after the step that reached
+    MAX_TOKENS: the same steps, each with a full draft, as vLLM's counters cover."""
+    import copy
+
+    from verispec.drafters.eagle3 import Eagle3Drafter, load_eagle3
+    from verispec.engine import Engine, EngineConfig
+    from verispec.sampling import SamplingParams
+    from verispec.sequence import SpecStats
+
+    max_len = 128
+    eng = Engine(target, None, EngineConfig(model="x", num_draft_tokens=K, dtype="float32", max_batch_size=1,
+                                            max_model_len=max_len),
+                 Eagle3Drafter(load_eagle3(drafter_dir, target), target, 1, max_len + K + 1))
+    outs, total = [], SpecStats()
+    for p in prompts:
+        s = eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS + K + 1, ignore_eos=True))
+        seen = None
+        while eng.has_work:
+            eng.step()
+            if seen is None and s.num_output >= MAX_TOKENS:
+                seen = copy.deepcopy(s.stats)
+        outs.append(s.output_ids[:MAX_TOKENS])
+        total.merge(seen)
+    return outs, total
+
+
+def divergence_report(target, prompt, ours, theirs) -> str:
+    """Where vLLM's greedy output first leaves verispec's, and how close the target's top two logits
+    are there (a near-tie that fp32 rounding can flip, or a real difference)."""
+    i = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    ids = torch.tensor([prompt + ours[:i]])
+    with torch.no_grad():
+        logits = target(ids, target.new_cache(1, 256), [0], torch.tensor([0])).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return (f"first divergence at output token {i}: verispec {ours[i] if i < len(ours) else None}, vLLM "
+            f"{theirs[i] if i < len(theirs) else None}; target top-2 {top.indices.tolist()} logits "
+            f"{[round(x, 5) for x in top.values.tolist()]} (gap {float(top.values[0] - top.values[1]):.2e})")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_exported_eagle3_runs_in_vllm_with_verispecs_outputs_and_acceptance(family, tmp_path, capsys):
+    from verispec.models import load_model
+
+    folder = tmp_path / "target"
+    make_target(family, folder)
+    target = load_model(str(folder), dtype=torch.float32)  # what vLLM loads, through verispec's loader
+    ev = train_drafter(target, folder, tmp_path)
+    spec = export_config(tmp_path / "drafter", folder, capsys)
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "drafter"), "num_speculative_tokens": K}
+
+    prompts = [random_ids(n, VOCAB, seed=900 + n)[0].tolist() for n in (5, 7, 4, 9)]  # held out
+    ours, stats = verispec_run(target, tmp_path / "drafter", prompts)
+    ours_acc = stats.acceptance_unconditional
+    assert ours_acc[0] > 0.3, (ours_acc, ev)  # a drafter that works, so acceptance can be compared
+
+    w = V.VllmWorker(folder, "float32", 128, torch.get_num_threads(), spec,
+                     llm_kwargs={"skip_tokenizer_init": True, "enforce_eager": True})
+    try:
+        replies = [w.generate(p, MAX_TOKENS) for p in prompts]
+    finally:
+        w.close()
+    theirs = [r["tokens"] for r in replies]
+    for p, a, b in zip(prompts, ours, theirs):
+        assert a == b, divergence_report(target, p, a, b)
+    drafts = sum(r["spec"]["drafts"] for r in replies)
+    per_pos = [sum(r["spec"]["accepted_per_pos"][i] for r in replies) for i in range(K)]
+    theirs_acc = [a / drafts for a in per_pos]
+    print(f"{family}: per-position acceptance verispec {[round(x, 3) for x in ours_acc]} "
+          f"vLLM {[round(x, 3) for x in theirs_acc]} ({stats.drafts} / {drafts} drafts)")
+    assert len(ours_acc) == K and all(abs(a - b) <= 0.03 for a, b in zip(ours_acc, theirs_acc)), (ours_acc, theirs_acc)
