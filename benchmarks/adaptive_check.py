@@ -1,0 +1,41 @@
+"""Reads a `verispec bench` report with a load sweep and says, per concurrency and path (in process,
+server), whether the adaptive policy reached max(plain, best fixed k) - 3% in throughput.
+
+    python benchmarks/adaptive_check.py benchmarks/results/adaptive/report.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def main(path: str) -> int:
+    sweep = json.load(open(path))["sweep"]
+    points = defaultdict(dict)  # (via, concurrency) -> method -> tok/s
+    for p in sweep:
+        via = "server" if p["method"].endswith("(server)") else "engine"
+        name = p["method"].removesuffix(" (server)")
+        points[(via, p["concurrency"])][name] = p["throughput_tok_s"]
+    rows, ok_all = [], True
+    for (via, c), m in sorted(points.items()):
+        adaptive = [v for k, v in m.items() if "policy=" not in k and k != "plain"]
+        fixed = {k: v for k, v in m.items() if "policy=fixed" in k}
+        if not adaptive or not fixed or "plain" not in m:
+            continue
+        best_name, best = max([("plain", m["plain"]), *fixed.items()], key=lambda x: x[1])
+        a = adaptive[0]
+        ok = a >= 0.97 * best
+        ok_all &= ok
+        rows.append(f"| {via} | {c} | {m['plain']:.1f} | {best_name} {best:.1f} | {a:.1f} | {a / best:.3f} | "
+                    f"{a / m['plain']:.2f}x | {'yes' if ok else 'NO'} |")
+    print("| path | concurrency | plain tok/s | best of plain and fixed k | adaptive tok/s | adaptive / best | "
+          "adaptive / plain | within 3% |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
