@@ -99,8 +99,8 @@ class Served:
         self.worker = self.app.state.worker
         self.timer = StepTimer(self.engine)
         self.profiles = {}
-        if cprofile:
-            self._profile("engine thread", self.worker, "_run")
+        if cprofile:  # the engine thread's target was bound when the worker was made
+            self.worker.thread._target = self._profile("engine thread", self.worker.thread._target)
         self.server = ThreadServer(self.app)
         if cprofile:  # uvicorn's serve() runs on the event loop thread
             prof, serve = cProfile.Profile(), self.server.server.serve
@@ -116,9 +116,8 @@ class Served:
             self.server.server.serve = profiled_serve
         self.server.start()
 
-    def _profile(self, label, obj, attr):
+    def _profile(self, label, fn):
         prof = self.profiles[label] = cProfile.Profile()
-        fn = getattr(obj, attr)
 
         def run(*a, **kw):
             prof.enable()
@@ -127,7 +126,7 @@ class Served:
             finally:
                 prof.disable()
 
-        setattr(obj, attr, run)
+        return run
 
 
 def report(name, r, via, tok_s, st, seconds, cpu=None):
