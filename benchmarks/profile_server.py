@@ -23,7 +23,6 @@ import os
 import pstats
 import subprocess
 import sys
-import threading
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the commands do (threads.py)
