@@ -23,7 +23,6 @@ import os
 import pstats
 import subprocess
 import sys
-import threading
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the commands do (threads.py)
@@ -99,8 +98,8 @@ class Served:
         self.worker = self.app.state.worker
         self.timer = StepTimer(self.engine)
         self.profiles = {}
-        if cprofile:
-            self._profile("engine thread", self.worker, "_run")
+        if cprofile:  # the engine thread's target was bound when the worker was made
+            self.worker.thread._target = self._profile("engine thread", self.worker.thread._target)
         self.server = ThreadServer(self.app)
         if cprofile:  # uvicorn's serve() runs on the event loop thread
             prof, serve = cProfile.Profile(), self.server.server.serve
@@ -116,9 +115,8 @@ class Served:
             self.server.server.serve = profiled_serve
         self.server.start()
 
-    def _profile(self, label, obj, attr):
+    def _profile(self, label, fn):
         prof = self.profiles[label] = cProfile.Profile()
-        fn = getattr(obj, attr)
 
         def run(*a, **kw):
             prof.enable()
@@ -127,7 +125,7 @@ class Served:
             finally:
                 prof.disable()
 
-        setattr(obj, attr, run)
+        return run
 
 
 def report(name, r, via, tok_s, st, seconds, cpu=None):
