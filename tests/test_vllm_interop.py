@@ -33,8 +33,8 @@ def make_target(family: str, folder):
                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    cfg = LlamaConfig(**common, tie_word_embeddings=False) if family == "llama" else \
-        Qwen3Config(**common, tie_word_embeddings=True)
+    # untied heads: a tied head would scale the logits x12 too, and the target's text degenerates
+    cfg = (LlamaConfig if family == "llama" else Qwen3Config)(**common, tie_word_embeddings=False)
     torch.manual_seed(1)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(hf, 1)
