@@ -106,20 +106,23 @@ def profile_path(key: dict) -> Path:
 @torch.inference_mode()
 def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, progress=None) -> CostProfile:
     """Time dummy verify forwards over the token grid: num_tokens split over min(num_tokens,
-    max_batch) rows at a synthetic context of CONTEXT rows (what a decode step looks like)."""
+    max_batch) rows at a synthetic context of CONTEXT rows (what a decode step looks like), in the
+    numerics the engine decodes with (batch-invariant kernels for bf16/fp16: their cost differs)."""
     from ..kv import KV_BLOCK, round_up
 
     grid = token_grid(max_tokens)
     rows_max = min(max_batch, max_tokens)
     width_max = -(-max_tokens // rows_max)
     cache = model.new_cache(rows_max, round_up(CONTEXT + width_max + 1, KV_BLOCK))
+    was = getattr(model, "invariant", False)
+    model.set_batch_invariant(model.dtype != torch.float32)
     seconds = []
     for n in grid:
         rows = min(n, max_batch)
         width = -(-n // rows)
         ids = torch.zeros(rows, width, dtype=torch.long, device=model.device)
         starts = torch.full((rows,), CONTEXT)
-        kv_len = round_up(CONTEXT + width, KV_BLOCK)
+        kv_len = round_up(CONTEXT + width, KV_BLOCK) if model.dtype != torch.float32 else None
         times = []
         for r in range(repeats + 1):  # the first run warms up
             t0 = time.perf_counter()
@@ -131,6 +134,7 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
         seconds.append(statistics.median(times))
         if progress:
             progress(n, seconds[-1])
+    model.set_batch_invariant(was)
     return CostProfile(grid, monotone(seconds))
 
 
