@@ -42,7 +42,7 @@ def test_forward_matches_transformers(fp32_model, tok):
 
 
 def generate(model, tok, drafter, prompts, exact=False, max_tokens=32, k=5, tree="chain"):
-    cfg = EngineConfig(drafter=None, num_draft_tokens=k, max_batch_size=len(prompts), max_model_len=256, exact=exact,
+    cfg = EngineConfig(drafter=None, draft_policy="fixed", num_draft_tokens=k, max_batch_size=len(prompts), max_model_len=256, exact=exact,
                        draft_tree=tree)
     eng = Engine(model, tok, cfg, drafter)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -87,7 +87,7 @@ def test_bf16_batched_and_chunked_equals_alone(tok):
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
 
     def run(prompts, drafter, chunk):
-        cfg = EngineConfig(drafter=None, num_draft_tokens=5, max_batch_size=len(prompts), max_model_len=256,
+        cfg = EngineConfig(drafter=None, draft_policy="fixed", num_draft_tokens=5, max_batch_size=len(prompts), max_model_len=256,
                            prefill_chunk=chunk)
         eng = Engine(model, tok, cfg, drafter)
         seqs = [eng.add_request(p, sp) for p in prompts]
