@@ -65,7 +65,11 @@ def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
             qs[b].append(q)
             # confidence feature: the largest probability of the distribution the node is drawn
             # from (greedy: of the unscaled draft distribution, since q is one-hot)
-            top = float((logits[b].float().softmax(-1) if s.params.greedy else q).max())
+            if s.params.greedy:  # log max softmax = max - logsumexp, without materialising the softmax
+                lg = logits[b].float()
+                top = math.exp(float(lg.max() - lg.logsumexp(-1)))
+            else:
+                top = float(q.max())
             feats[b].append([logit(top)])
             nodes[b].append(Node(sample(q, s.generator), len(nodes[b]) - 1, j + 1, 0.0))
             if j + 1 < budgets[b]:  # its logits are needed only if the chain goes on
