@@ -4,8 +4,10 @@ The engine calls, every decode step:
 1. `budgets(seqs, cap)`: how many nodes each request may draft (its own `num_draft_tokens`);
 2. `admit(seqs, drafts, draft_seconds)`: which drafted nodes to verify. The estimator scores each
    node from the drafter's features (never from the node's own token), the planner picks the
-   nodes that maximise expected tokens per second against the measured cost profile;
-3. `observe(seqs, drafts, verdicts)`: the verifier's verdicts become the estimator's labels.
+   nodes that maximise expected tokens per second against the step cost (`StepCost`: the
+   measured profile, calibrated by the times of the steps the engine really ran);
+3. `observe(seqs, drafts, verdicts)`: the verifier's verdicts become the estimator's labels, and
+   the time since `admit` the step cost of this batch size and window.
 
 Planners (planner.py): "greedy" (DSpark's Algorithm 1 over verify windows: current survivals,
 early stop) or "topb" (no early stop: the window that was best by the previous step's survivals,
@@ -14,12 +16,13 @@ its slots filled by the current ones, as vLLM sizes its global top-B budget).
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from ..drafters.base import Draft
 from ..sequence import Sequence
 from ..verify import Verdict
-from .costs import CostProfile, DraftCost
+from .costs import CostProfile, DraftCost, StepCost
 from .estimator import AcceptanceEstimator
 from .planner import best_width, keep, plan_greedy, ranked_survival
 
@@ -37,6 +40,8 @@ class AdaptiveDraftLength:
         self.planner = planner
         self.estimator = AcceptanceEstimator(max_depth, refit_every)
         self.draft_cost = DraftCost()
+        self._step_cost: StepCost | None = None
+        self._verify_started: tuple[int, int, float] | None = None  # (num_reqs, window, perf_counter) of this step
         self.steps = 0
         self.width = None  # the window chosen last step (None: no step yet)
         self._stale_width: int | None = None  # topb: the best window by last step's survivals
@@ -49,6 +54,12 @@ class AdaptiveDraftLength:
         if not isinstance(self._profile, CostProfile):
             self._profile = self._profile()
         return self._profile
+
+    @property
+    def step_cost(self) -> StepCost:
+        if self._step_cost is None:
+            self._step_cost = StepCost(self.profile)
+        return self._step_cost
 
     def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
         """Each request's own k, but at most two more than last step's window (drafting what
@@ -68,11 +79,14 @@ class AdaptiveDraftLength:
         self.last_drafted = sum(len(d.tokens) for d in drafts)
         if not self.last_drafted:  # nothing to plan; the window stays as it was
             self.last_admitted = 0
+            self._verify_started = (len(seqs), 0, time.perf_counter())
             return drafts
         self.draft_cost.record(len(seqs), draft_seconds)
         conf = [self.estimator.predict(d.features, d.depths()) for d in drafts]
         surv = [ranked_survival(c, d.parents) for c, d in zip(conf, drafts)]
-        cost, dsec = self.profile.verify_cost, self.draft_cost(len(seqs))
+        n, dsec = len(seqs), self.draft_cost(len(seqs))
+        table = self.step_cost.table(n, max(len(d.tokens) for d in drafts))
+        cost = lambda num_tokens: table[num_tokens // n - 1]  # the planners ask for n * (1 + window) tokens
         pins = [pinned(s) for s in seqs]
         free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
         if self.planner == "greedy":
@@ -90,9 +104,14 @@ class AdaptiveDraftLength:
             out.append(d.select(k))
             self._pending[s.id] = [c[i] for i in k]
         self.last_admitted = sum(len(d.tokens) for d in out)
+        self._verify_started = (n, max(len(d.tokens) for d in out), time.perf_counter())
         return out
 
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
+        if self._verify_started is not None:  # the step's time after drafting, by batch and window
+            n, width, t0 = self._verify_started
+            self.step_cost.record(n, width, time.perf_counter() - t0)
+            self._verify_started = None
         for s, d, v in zip(seqs, drafts, verdicts):
             conf = self._pending.pop(s.id, [])
             if not d.tokens:
