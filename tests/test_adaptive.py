@@ -220,26 +220,30 @@ def test_cost_profile_interpolates_and_forces_monotone():
     assert C.token_grid(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
 
 
-def test_step_cost_prefers_what_the_engine_measured_and_scales_the_profile_elsewhere():
-    prof = CostProfile([1, 4, 8, 16], [1.0, 1.0, 2.0, 4.0])
+def test_step_cost_prefers_what_the_engine_measured_and_follows_the_profile_elsewhere():
+    prof = CostProfile([1, 4, 8, 16, 32], [1.0, 1.0, 2.0, 4.0, 8.0])
     sc = C.StepCost(prof, window=4)
     assert sc.table(4, 2) == [1.0, 2.0, 3.0]  # nothing seen: the profile at 4 x (1 + window) tokens
-    for s in (3.0, 2.0, 100.0):  # window 0 at 4 requests: median 3.0, twice the profile
-        sc.record(4, 0, s)
-    assert sc.scale(4) == pytest.approx(3.0)
-    assert sc.table(4, 2) == pytest.approx([3.0, 6.0, 9.0])  # seen: its median; unseen: profile x 3
-    for s in (5.0, 5.0, 5.0):  # window 1 seen cheaper than the scaled profile says
-        sc.record(4, 1, s)
-    assert sc.table(4, 1) == pytest.approx([3.0, 5.0])
-    sc.record(4, 2, 1.0)  # once is not enough to trust; and a wider window never reads cheaper
-    assert sc.table(4, 2)[2] >= sc.table(4, 2)[1]
-    assert sc.scale(8) == sc.scale(4)  # an unseen batch size borrows every batch size's ratio
-    for _ in range(5):
-        sc.record(4, 0, 1.0)  # only the last `window` steps count
-    assert sc.table(4, 0) == [1.0]
+    for s in (3.0, 2.0, 100.0):  # 4 tokens seen 3 times: their median, 3.0
+        sc.record(4, s)
+    sc.record(16, 9.0)  # seen once: not trusted yet
+    # 4 tokens: seen; 8 and 12: past the seen ones, the profile's shape from 4 (x 3/1)
+    assert sc.table(4, 2) == pytest.approx([3.0, 6.0, 9.0])
+    for s in (9.0, 9.0):
+        sc.record(16, s)
+    assert sc(16) == 9.0 and sc(10) == pytest.approx(3.0 + 6.0 * 6 / 12)  # between seen counts: linear
+    assert sc(32) == pytest.approx(9.0 * 8.0 / 4.0)  # past the last seen one: the profile's shape
+    assert sc(2) == pytest.approx(3.0)  # below the first seen one: the profile's shape (flat there)
+    for s in (5.0, 5.0, 5.0):  # a wider window never reads cheaper than a narrower one
+        sc.record(8, s)
+    sc.record(12, 1.0), sc.record(12, 1.0), sc.record(12, 1.0)
+    assert sc.table(4, 2) == pytest.approx([3.0, 5.0, 5.0])
+    for _ in range(4):
+        sc.record(4, 1.0)  # only the last `window` steps count
+    assert sc(4) == 1.0
 
 
-def test_adaptive_policy_times_every_decode_step_by_batch_and_window():
+def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
     target = ours_from_hf(build_hf("llama", seed=0))
     policy = AdaptiveDraftLength(STEEP, max_depth=6)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -247,7 +251,7 @@ def test_adaptive_policy_times_every_decode_step_by_batch_and_window():
     decode_steps = max(s.stats.forwards for s in seqs)
     seen = policy.step_cost.seen
     assert sum(len(q) for q in seen.values()) == decode_steps
-    assert {n for n, _ in seen} <= {1, 2} and all(0 <= w <= 4 for _, w in seen)
+    assert set(seen) <= {n * (1 + w) for n in (1, 2) for w in range(5)}
     assert all(t > 0 for q in seen.values() for t in q)
 
 

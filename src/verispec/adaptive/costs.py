@@ -15,8 +15,8 @@ n-gram index grows with the text, model drafters carry hidden states) and a dumm
 measure neither.
 
 `StepCost` is what the planners read: the profile is the prior, and the times of the steps the
-engine really ran (forward plus verification and bookkeeping, by batch size and window) replace
-it as they come in.
+engine really ran (forward plus verification and bookkeeping, by the forward's token count)
+replace it as they come in.
 """
 
 from __future__ import annotations
@@ -192,17 +192,22 @@ class DraftCost:
 
 
 class StepCost:
-    """Seconds of a decode step after drafting (verify forward, verification, KV commit, output),
-    by batch size and window, as the engine really ran them.
+    """Seconds of a decode step after drafting (verify forward, LM head, verification, KV commit,
+    output) by the number of tokens its forward carries, as the engine really ran them.
 
-    The profile times the forward alone, at a synthetic context, once; a live step also verifies,
-    compacts the cache and emits, at the real context, while other work shares the machine (the
-    server's HTTP and text threads). Measured on a 2-core machine, a 16-request step cost 1.3-1.7x
-    what the profile said, and not by a constant factor across windows: the planner chose windows
-    for a machine that was not there. So every step's time is recorded under (batch size, window):
-    a window seen at least MIN_SEEN times for this batch size costs the median of its recent
-    steps; an unseen one costs the profile scaled by the median observed/profile ratio of this
-    batch size (of all batch sizes before any of its own). Read out forced monotone in the window.
+    The profile times dummy forwards once; a live step also verifies, compacts the cache and
+    emits, at the real context, on a machine whose speed drifts and that other work shares (the
+    server's threads). Measured on a 2-core machine (Gemma 3 270M, bf16), 16 requests: the live
+    step cost 292 / 448 / 630 / 811 / 1606 ms at windows 0 / 1 / 2 / 3 / 7, where the profile,
+    measured minutes before, said 485 / 614 / 834 / 1139 / 1810: off by 1.7x at one end and 1.1x
+    at the other, so the planner chose windows for a machine that was not there.
+
+    So every step's time is recorded under its forward's token count T = requests x (1 + window)
+    (the forward pads every request to the window; T, not the batch size, sets what it costs, so
+    a batch of 16 at window 0 tells what a batch of 8 at window 1 costs). A count seen MIN_SEEN
+    times costs the median of its last `window` steps; an unseen one is interpolated between
+    the nearest seen counts, or past them follows the profile's shape from the nearest one; with
+    nothing seen, the profile itself.
     """
 
     MIN_SEEN = 3
@@ -210,24 +215,30 @@ class StepCost:
     def __init__(self, profile: CostProfile, window: int = 16):
         self.profile = profile
         self.window = window
-        self.seen: dict[tuple[int, int], deque[float]] = {}  # (num_reqs, width) -> seconds
-        self.ratios: dict[int, deque[float]] = {}  # num_reqs -> observed / profile
+        self.seen: dict[int, deque[float]] = {}  # tokens in the forward -> seconds of recent steps
 
-    def record(self, num_reqs: int, width: int, seconds: float) -> None:
-        self.seen.setdefault((num_reqs, width), deque(maxlen=self.window)).append(seconds)
-        predicted = self.profile.verify_cost(num_reqs * (1 + width))
-        self.ratios.setdefault(num_reqs, deque(maxlen=4 * self.window)).append(seconds / max(predicted, 1e-9))
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
 
-    def scale(self, num_reqs: int) -> float:
-        r = self.ratios.get(num_reqs) or [x for q in self.ratios.values() for x in q]
-        return statistics.median(r) if r else 1.0
+    def __call__(self, num_tokens: int) -> float:
+        known = sorted(t for t, q in self.seen.items() if len(q) >= self.MIN_SEEN)
+        median = lambda t: statistics.median(self.seen[t])  # noqa: E731
+        below = [t for t in known if t <= num_tokens]
+        above = [t for t in known if t >= num_tokens]
+        prof = self.profile.verify_cost
+        if below and above:
+            lo, hi = below[-1], above[0]
+            if lo == hi:
+                return median(lo)
+            return median(lo) + (median(hi) - median(lo)) * (num_tokens - lo) / (hi - lo)
+        if below or above:
+            near = below[-1] if below else above[0]
+            return median(near) * prof(num_tokens) / max(prof(near), 1e-12)
+        return prof(num_tokens)
 
     def table(self, num_reqs: int, widest: int) -> list[float]:
-        """Seconds for windows 0..widest at this batch size, monotone."""
-        scale = self.scale(num_reqs)
-        out = []
+        """Seconds for windows 0..widest at this batch size, monotone in the window."""
+        out: list[float] = []
         for w in range(widest + 1):
-            q = self.seen.get((num_reqs, w))
-            s = statistics.median(q) if q and len(q) >= self.MIN_SEEN else scale * self.profile.verify_cost(num_reqs * (1 + w))
-            out.append(max(s, out[-1]) if out else s)
+            out.append(max(self(num_reqs * (1 + w)), out[-1] if out else 0.0))
         return out

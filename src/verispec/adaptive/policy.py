@@ -7,7 +7,7 @@ The engine calls, every decode step:
    nodes that maximise expected tokens per second against the step cost (`StepCost`: the
    measured profile, calibrated by the times of the steps the engine really ran);
 3. `observe(seqs, drafts, verdicts)`: the verifier's verdicts become the estimator's labels, and
-   the time since `admit` the step cost of this batch size and window.
+   the time since `admit` the step cost at this forward's token count.
 
 Planners (planner.py): "greedy" (DSpark's Algorithm 1 over verify windows: current survivals,
 early stop) or "topb" (no early stop: the window that was best by the previous step's survivals,
@@ -110,7 +110,7 @@ class AdaptiveDraftLength:
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         if self._verify_started is not None:  # the step's time after drafting, by batch and window
             n, width, t0 = self._verify_started
-            self.step_cost.record(n, width, time.perf_counter() - t0)
+            self.step_cost.record(n * (1 + width), time.perf_counter() - t0)
             self._verify_started = None
         for s, d, v in zip(seqs, drafts, verdicts):
             conf = self._pending.pop(s.id, [])
