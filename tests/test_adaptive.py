@@ -68,6 +68,20 @@ def test_estimator_starts_near_uniform_and_intercepts_alone_learn_depth():
     assert est.predict(None, [1, 2, 3]) == pytest.approx(truth, abs=0.04)
 
 
+def test_first_refits_come_after_32_64_128_observations_then_every_512():
+    est = AcceptanceEstimator(max_depth=2, refit_every=10**6)
+    refit_at, seen = [], 0
+    for _ in range(300):  # 8 observations a step
+        est.observe(None, [1] * 8, [1, 0] * 4, [0.5] * 8)
+        seen += 8
+        before = est.refits
+        est.end_step()
+        if est.refits > before:
+            refit_at.append(seen)
+    assert refit_at[:7] == [32, 96, 224, 480, 992, 1504, 2016]  # windows of 32, 64, 128, 256, 512, 512, 512
+    assert est.predict(None, [1])[0] == pytest.approx(0.5, abs=0.05)  # and they learn: half accepted
+
+
 def test_censored_observations_of_chains_and_trees():
     # chain of 4, 2 accepted: nodes 0, 1 accepted, node 2 rejected, node 3 never verified
     d = Draft([5, 6, 7, 8])

@@ -17,7 +17,9 @@ Fitting: every `refit_every` (100) steps, or as soon as the window holds `refit_
 (512) observations, a damped Newton step on the log-likelihood of the window of observations
 gathered since the last refit (then the window starts afresh, so the fit follows the workload).
 The observation trigger is for CPUs: at 3-20 steps a second, 100 steps can be half a minute, while
-a batch of 32 yields 512 observations in a few steps. The step is damped per parameter by n / (n + 50) observations, with a small ridge;
+a batch of 32 yields 512 observations in a few steps. The first refits come sooner, after 32, 64,
+128, 256 observations: until then the policy plans with the prior, and a short run (a benchmark
+point of 30 steps, a burst of requests) would otherwise end before the first fit. The step is damped per parameter by n / (n + 50) observations, with a small ridge;
 non-finite steps, and steps that would make the slope negative, are dropped.
 """
 
@@ -28,6 +30,7 @@ import math
 import torch
 
 INIT_INTERCEPT = 1.5
+FIRST_REFIT = 32  # observations before the first refit; doubled after each up to refit_observations
 DAMPING = 50.0
 RIDGE = 1e-3
 CLAMP = 40.0
@@ -43,6 +46,7 @@ class AcceptanceEstimator:
         self.max_depth = max_depth
         self.refit_every = refit_every
         self.refit_observations = refit_observations
+        self._next_refit = min(FIRST_REFIT, refit_observations)  # observations that trigger the next refit
         self._since = 0  # steps since the last refit
         self.w: torch.Tensor | None = None  # [F] shared slope(s), set when the first features arrive
         self.b = torch.full((max_depth,), INIT_INTERCEPT, dtype=torch.float64)  # [D] per-depth intercepts
@@ -85,7 +89,7 @@ class AcceptanceEstimator:
     def end_step(self) -> None:
         self.steps += 1
         self._since += 1
-        if self._since >= self.refit_every or len(self._y) >= self.refit_observations:
+        if self._since >= self.refit_every or len(self._y) >= self._next_refit:
             self.refit()
 
     def refit(self) -> None:
@@ -95,6 +99,7 @@ class AcceptanceEstimator:
         self._f, self._d, self._y = [], [], []
         self._since = 0
         self.refits += 1
+        self._next_refit = min(2 * self._next_refit, self.refit_observations)
 
     def _newton_step(self) -> None:
         F = len(self._f[0]) if all(len(f) == len(self._f[0]) for f in self._f) else 0
