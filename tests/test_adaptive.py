@@ -123,7 +123,12 @@ def _valid_subsets(parents, n):
 def _theta(survival, sets, draft_s, cost):
     N = len(survival)
     W = max((len(s) for s in sets), default=0)
-    return (N + sum(survival[r][i] for r, s in enumerate(sets) for i in s)) / (draft_s + cost(N * (1 + W)))
+    return (N + sum(survival[r][i] for r, s in enumerate(sets) for i in s)) / (draft_s + cost(W))
+
+
+def by_window(survival, token_cost):
+    """The planners' cost of window W for this batch from a cost by tokens: the forward carries N (1 + W)."""
+    return lambda W: token_cost(len(survival) * (1 + W))
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
@@ -139,14 +144,15 @@ def test_planner_window_is_optimal_by_brute_force(shape):
         grid = sorted(rng.sample(range(1, 20), 5))
         prof = CostProfile(grid, C.monotone([rng.uniform(0.01, 0.1) * (1 + g / rng.uniform(2, 10)) for g in grid]))
         draft_s = rng.uniform(0, 0.05)
-        best = max(_theta(surv, combo, draft_s, prof.verify_cost)
+        cost = by_window(surv, prof.verify_cost)
+        best = max(_theta(surv, combo, draft_s, cost)
                    for combo in itertools.product(*[_valid_subsets(p, n) for p, n in zip(parents, sizes)]))
-        W = best_width(surv, draft_s, prof.verify_cost)
+        W = best_width(surv, draft_s, cost)
         sets = [set(k) for k in keep(surv, W)]
         for s, p, n in zip(sets, parents, sizes):  # what the window keeps is admissible
             assert s in _valid_subsets(p, n)
-        assert _theta(surv, sets, draft_s, prof.verify_cost) == pytest.approx(best, rel=1e-12), case
-        assert throughput(surv, draft_s, prof.verify_cost)[W] == pytest.approx(best, rel=1e-12)
+        assert _theta(surv, sets, draft_s, cost) == pytest.approx(best, rel=1e-12), case
+        assert throughput(surv, draft_s, cost)[W] == pytest.approx(best, rel=1e-12)
 
 
 def test_greedy_planner_equals_the_optimum_when_cost_is_affine():
@@ -154,7 +160,7 @@ def test_greedy_planner_equals_the_optimum_when_cost_is_affine():
     for _ in range(200):
         surv = [ranked_survival([rng.random() for _ in range(rng.randint(0, 6))], None) for _ in range(rng.randint(1, 5))]
         a, b = rng.uniform(0.01, 0.1), rng.uniform(0.0001, 0.01)
-        cost = lambda n: a + b * n  # noqa: E731
+        cost = by_window(surv, lambda n: a + b * n)
         assert plan_greedy(surv, 0.01, cost) == best_width(surv, 0.01, cost)
 
 
@@ -187,11 +193,12 @@ def test_greedy_admission_never_depends_on_a_node_or_what_was_drawn_after_it():
         admitted = []
         for cc in (conf, changed):
             surv = [ranked_survival(c, p) for c, p in zip(cc, parents)]
-            admitted.append(i in keep(surv, plan_greedy(surv, 0.0, cost))[r])
+            admitted.append(i in keep(surv, plan_greedy(surv, 0.0, by_window(surv, cost)))[r])
         assert admitted[0] == admitted[1], "greedy admission of a node changed with its descendants' confidences"
     # the argmax does look ahead: node 0 is admitted only because its descendants are likely
     flat = CostProfile([1, 2, 6], [1.0, 1.5, 1.5]).verify_cost
     sure, unsure = [ranked_survival([0.4, 1, 1, 1, 1], None)], [ranked_survival([0.4, 0, 0, 0, 0], None)]
+    flat = by_window(sure, flat)
     assert best_width(sure, 0.0, flat) == 5 and best_width(unsure, 0.0, flat) == 0
     assert plan_greedy(sure, 0.0, flat) == plan_greedy(unsure, 0.0, flat) == 0
 

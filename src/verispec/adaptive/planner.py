@@ -9,10 +9,11 @@ of the N requests emits one token whatever happens).
 The cost side follows this engine's verify forward, which pads every request's window to the
 longest one: a step whose largest admitted draft has W nodes costs
 
-    seconds(W) = draft_seconds + verify_cost(N * (1 + W)),
+    seconds(W) = draft_seconds + window_cost(W),   window_cost(W) = step_cost(N * (1 + W)),
 
-whatever the other requests admit up to W. So the planners choose the window W, and every request
-verifies its best min(W, n) nodes, which cost nothing more. (In a packed, unpadded forward the
+whatever the other requests admit up to W (the policy passes window_cost for the whole batch,
+which may hold requests the planner does not weigh: seeded sampled ones verify all they draft).
+So the planners choose the window W, and every request verifies its best min(W, n) nodes, which cost nothing more. (In a packed, unpadded forward the
 cost would be verify_cost(N + B) and the best allocation vLLM's global top-B over survivals; with
 padding, the best set for a window W is each request's top W, and no other set of the same
 width yields more.) The expected throughput is
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-Cost = Callable[[int], float]  # verify seconds for a forward of this many tokens (rows x width)
+WindowCost = Callable[[int], float]  # seconds of the step after drafting, by window W
 
 
 def ranked_survival(conf: list[float], parents: list[int] | None) -> list[float]:
@@ -60,7 +61,7 @@ def request_order(survival: list[float]) -> list[int]:
     return sorted(range(len(survival)), key=lambda i: (-survival[i], i))
 
 
-def throughput(survival: list[list[float]], draft_seconds: float, verify_cost: Cost) -> list[float]:
+def throughput(survival: list[list[float]], draft_seconds: float, window_cost: WindowCost) -> list[float]:
     """theta(W) for W = 0 .. the largest draft."""
     N = len(survival)
     sums = [[0.0] for _ in survival]
@@ -68,7 +69,7 @@ def throughput(survival: list[list[float]], draft_seconds: float, verify_cost: C
         for i in request_order(ss):
             sums[r].append(sums[r][-1] + ss[i])
     widest = max((len(s) for s in survival), default=0)
-    return [(N + sum(c[min(W, len(c) - 1)] for c in sums)) / (draft_seconds + verify_cost(N * (1 + W)))
+    return [(N + sum(c[min(W, len(c) - 1)] for c in sums)) / (draft_seconds + window_cost(W))
             for W in range(widest + 1)]
 
 
@@ -77,16 +78,16 @@ def keep(survival: list[list[float]], width: int) -> list[list[int]]:
     return [sorted(request_order(ss)[:width]) for ss in survival]
 
 
-def plan_greedy(survival: list[list[float]], draft_seconds: float, verify_cost: Cost) -> int:
+def plan_greedy(survival: list[list[float]], draft_seconds: float, window_cost: WindowCost) -> int:
     """DSpark's Algorithm 1 over windows: widen while the expected throughput rises."""
-    theta = throughput(survival, draft_seconds, verify_cost)
+    theta = throughput(survival, draft_seconds, window_cost)
     W = 0
     while W + 1 < len(theta) and theta[W + 1] > theta[W]:
         W += 1
     return W
 
 
-def best_width(survival: list[list[float]], draft_seconds: float, verify_cost: Cost) -> int:
+def best_width(survival: list[list[float]], draft_seconds: float, window_cost: WindowCost) -> int:
     """The window that maximises the expected throughput (the narrowest on ties)."""
-    theta = throughput(survival, draft_seconds, verify_cost)
+    theta = throughput(survival, draft_seconds, window_cost)
     return max(range(len(theta)), key=lambda W: (theta[W], -W))

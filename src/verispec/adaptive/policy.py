@@ -85,8 +85,7 @@ class AdaptiveDraftLength:
         conf = [self.estimator.predict(d.features, d.depths()) for d in drafts]
         surv = [ranked_survival(c, d.parents) for c, d in zip(conf, drafts)]
         n, dsec = len(seqs), self.draft_cost(len(seqs))
-        table = self.step_cost.table(n, max(len(d.tokens) for d in drafts))
-        cost = lambda num_tokens: table[num_tokens // n - 1]  # the planners ask for n * (1 + window) tokens
+        cost = self.step_cost.table(n, max(len(d.tokens) for d in drafts)).__getitem__  # seconds by window
         pins = [pinned(s) for s in seqs]
         free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
         if self.planner == "greedy":
