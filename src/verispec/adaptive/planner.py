@@ -14,9 +14,9 @@ longest one: a step whose largest admitted draft has W nodes costs
 whatever the other requests admit up to W (the policy passes window_cost for the whole batch,
 which may hold requests the planner does not weigh: seeded sampled ones verify all they draft).
 So the planners choose the window W, and every request verifies its best min(W, n) nodes, which
-cost nothing more. (In a packed, unpadded forward the cost would be verify_cost(N + B) and the best allocation vLLM's global top-B over survivals; with
-padding, the best set for a window W is each request's top W, and no other set of the same
-width yields more.) The expected throughput is
+cost nothing more. (In a packed, unpadded forward the cost would be step_cost(N + B) and the best
+allocation vLLM's global top-B over survivals; with padding, the best set for a window W is each
+request's top W, and no other set of the same width yields more.) The expected throughput is
 
     theta(W) = (N + sum over requests of its top-min(W, n) survivals) / seconds(W).
 
