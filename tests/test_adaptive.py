@@ -241,27 +241,33 @@ def test_cost_profile_interpolates_and_forces_monotone():
     assert C.token_grid(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
 
 
-def test_step_cost_prefers_what_the_engine_measured_and_follows_the_profile_elsewhere():
+def test_step_cost_prefers_what_the_engine_measured_and_is_optimistic_past_it():
     prof = CostProfile([1, 4, 8, 16, 32], [1.0, 1.0, 2.0, 4.0, 8.0])
     sc = C.StepCost(prof, window=4)
     assert sc.table(4, 2) == [1.0, 2.0, 3.0]  # nothing seen: the profile at 4 x (1 + window) tokens
-    for s in (3.0, 2.0, 100.0):  # 4 tokens seen 3 times: their median, 3.0
+    sc.record(4, 3.0)  # seen once: not trusted yet
+    assert sc(4) == 1.0
+    for s in (2.0, 100.0):  # 4 tokens seen 3 times: their median, 3.0
         sc.record(4, s)
-    sc.record(16, 9.0)  # seen once: not trusted yet
-    # 4 tokens: seen; 8 and 12: past the seen ones, the profile's shape from 4 (x 3/1)
+    assert sc(4) == 3.0
+    # one count seen: past it the profile's shape from there (x 3), below it the shape, capped
     assert sc.table(4, 2) == pytest.approx([3.0, 6.0, 9.0])
-    for s in (9.0, 9.0):
-        sc.record(16, s)
+    assert sc(2) == pytest.approx(3.0)
+    sc.record(16, 9.0), sc.record(16, 9.0)
     assert sc(16) == 9.0 and sc(10) == pytest.approx(3.0 + 6.0 * 6 / 12)  # between seen counts: linear
-    assert sc(32) == pytest.approx(9.0 * 8.0 / 4.0)  # past the last seen one: the profile's shape
-    assert sc(2) == pytest.approx(3.0)  # below the first seen one: the profile's shape (flat there)
-    for s in (5.0, 5.0, 5.0):  # a wider window never reads cheaper than a narrower one
-        sc.record(8, s)
-    sc.record(12, 1.0), sc.record(12, 1.0), sc.record(12, 1.0)
+    # past the last seen count: the lower of the profile's shape (9 x 8/4 = 18) and the line
+    # through the first and last seen counts (9 + 0.5 x 16 = 17)
+    assert sc(32) == pytest.approx(17.0)
+    sc.record(8, 5.0), sc.record(8, 5.0)
+    sc.record(12, 1.0), sc.record(12, 1.0)  # a wider window never reads cheaper than a narrower one
     assert sc.table(4, 2) == pytest.approx([3.0, 5.0, 5.0])
     for _ in range(4):
         sc.record(4, 1.0)  # only the last `window` steps count
     assert sc(4) == 1.0
+    sc2 = C.StepCost(CostProfile([1, 2, 8], [1.0, 2.0, 8.0]))  # a profile far too steep
+    for _ in range(2):
+        sc2.record(1, 1.0), sc2.record(2, 1.1)
+    assert sc2(8) == pytest.approx(1.7)  # the seen line, not the profile's 8 x 1.1 / 2
 
 
 def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():

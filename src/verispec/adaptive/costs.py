@@ -205,12 +205,16 @@ class StepCost:
     So every step's time is recorded under its forward's token count T = requests x (1 + window)
     (the forward pads every request to the window; T, not the batch size, sets what it costs, so
     a batch of 16 at window 0 tells what a batch of 8 at window 1 costs). A count seen MIN_SEEN
-    times costs the median of its last `window` steps; an unseen one is interpolated between
-    the nearest seen counts, or past them follows the profile's shape from the nearest one; with
-    nothing seen, the profile itself.
+    times costs the median of its last `window` steps; an unseen one between seen counts is
+    interpolated. Past the largest seen count the estimate is optimistic: the lower of the
+    profile's shape from there and the straight line through the smallest and largest seen counts.
+    A window estimated too dear is never tried, so never corrected (a profile measured while other
+    work ran said 3 tokens cost 1.8x one token, and the planner kept one stream at a window of 1);
+    one estimated too cheap is tried and then known. Below the smallest seen count: the profile's
+    shape, at most that count's cost. With nothing seen, the profile itself.
     """
 
-    MIN_SEEN = 3
+    MIN_SEEN = 2
 
     def __init__(self, profile: CostProfile, window: int = 16):
         self.profile = profile
@@ -231,9 +235,16 @@ class StepCost:
             if lo == hi:
                 return median(lo)
             return median(lo) + (median(hi) - median(lo)) * (num_tokens - lo) / (hi - lo)
-        if below or above:
-            near = below[-1] if below else above[0]
-            return median(near) * prof(num_tokens) / max(prof(near), 1e-12)
+        if below:  # past every seen count
+            lo, hi = known[0], known[-1]
+            shape = median(hi) * prof(num_tokens) / max(prof(hi), 1e-12)
+            if lo == hi:
+                return shape
+            slope = max(0.0, (median(hi) - median(lo)) / (hi - lo))
+            return min(shape, median(hi) + slope * (num_tokens - hi))
+        if above:  # below every seen count
+            near = above[0]
+            return min(median(near), median(near) * prof(num_tokens) / max(prof(near), 1e-12))
         return prof(num_tokens)
 
     def table(self, num_reqs: int, widest: int) -> list[float]:
