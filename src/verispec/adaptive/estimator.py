@@ -6,8 +6,10 @@ w shared by all depths and one intercept per depth. f is the drafter's feature v
 (`Draft.features`): for model drafters logit(max q) of the draft distribution the node was drawn
 from (it scores the distribution, never the drawn token), for n-gram drafters the log of the
 evidence behind the continuation. Drafters without features get intercepts only, which still
-learn how acceptance falls with depth. Initial state: w = 0, b = 1.5 (about 0.82 everywhere),
-so planning works before the first fit.
+learn how acceptance falls with depth. Initial state: w = 0, b = 0 (0.5 everywhere: no opinion),
+so planning works before the first fit. An optimistic prior (0.82, as first shipped) made a fresh
+engine at 16 streams verify windows of several tokens for its first dozen steps, where nothing
+paid; 0.5 still drafts at one stream, where a window costs little.
 
 Labels are censored: a node is an observation only if it was verified and its parent was
 accepted (for a chain: every earlier position); its label is whether it was accepted. Siblings
@@ -19,7 +21,7 @@ gathered since the last refit (then the window starts afresh, so the fit follows
 The observation trigger is for CPUs: at 3-20 steps a second, 100 steps can be half a minute, while
 a batch of 32 yields 512 observations in a few steps. The first refits come sooner, after 32, 64,
 128, 256 observations: until then the policy plans with the prior, and a short run (a benchmark
-point of 30 steps, a burst of requests) would otherwise end before the first fit. The step is damped per parameter by n / (n + 50) observations, with a small ridge;
+point of 30 steps, a burst of requests) would otherwise end before the first fit. The step is damped per parameter by n / (n + 10) observations, with a small ridge;
 non-finite steps, and steps that would make the slope negative, are dropped.
 """
 
@@ -29,9 +31,9 @@ import math
 
 import torch
 
-INIT_INTERCEPT = 1.5
+INIT_INTERCEPT = 0.0
 FIRST_REFIT = 32  # observations before the first refit; doubled after each up to refit_observations
-DAMPING = 50.0
+DAMPING = 10.0
 RIDGE = 1e-3
 CLAMP = 40.0
 

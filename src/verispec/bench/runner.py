@@ -63,8 +63,9 @@ def parse_method_spec(spec: str, k: int, policy: str = "adaptive") -> tuple[str,
     return drafter, tree, k, policy
 
 
-def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None) -> Engine:
-    """An Engine over a shared target; drafter_factory(target, max_batch, max_len) or the spec in cfg."""
+def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None, policy=None) -> Engine:
+    """An Engine over a shared target; drafter_factory(target, max_batch, max_len) or the spec in cfg;
+    `policy` a draft-length policy to carry over from another engine (default: cfg's, new)."""
     max_len = min(cfg.max_model_len, target.config.max_position_embeddings) + cfg.num_draft_tokens + 1
     if drafter_factory is not None:
         drafter = drafter_factory(target, cfg.max_batch_size, max_len)
@@ -72,7 +73,7 @@ def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None) -> 
         drafter = make_drafter(cfg.drafter, target, cfg.max_batch_size, max_len, DTYPES[cfg.dtype], cfg.device)
     else:
         drafter = None
-    return Engine(target, tokenizer, cfg, drafter)
+    return Engine(target, tokenizer, cfg, drafter, policy=policy)
 
 
 def engine_runner(engine: Engine, ignore_eos: bool = True) -> Callable[[list[int], int], Result]:
@@ -205,8 +206,13 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
               concurrency: list[int], prompts: list[Prompt], max_tokens: int, max_model_len: int,
               ignore_eos: bool = True, factories: dict | None = None,
               progress: Callable[[str], None] | None = None) -> list[SweepPoint]:
-    """Each drafter (None = plain) at each concurrency; the engine is built once per point and warmed up."""
+    """Each drafter (None = plain) at each concurrency; the engine is built once per point and warmed up.
+    A method's draft-length policy lives through the whole sweep, as it does in a server process
+    while the load changes: what an adaptive policy learned at one level (acceptance, the step
+    cost by forward size) it keeps at the next, instead of learning it again in every 30-step
+    burst."""
     points = []
+    policies: dict[str, object] = {}
     exact = mode == "exact"
     tag = " [exact]" if exact else ""
     for c in concurrency:
@@ -214,7 +220,9 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
         for spec in drafters:
             drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
             cfg = engine_config(model, drafter, kk, dtype, exact, c, max_model_len, tree=tree, policy=policy)
-            eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter))
+            eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter), policies.get(spec))
+            if spec:
+                policies[spec] = eng.policy
             run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
             seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
             name = f"{spec}{tag}" if spec else f"plain{tag}"
