@@ -140,12 +140,14 @@ def _methods(ours, **kw):
 
 def test_equality_check_catches_a_broken_acceptor(tiny, monkeypatch):
     hf, ours, prompts = tiny
-    methods = _methods(ours)
+    # fixed k: every step verifies a draft (an adaptive policy may decide that none pays)
+    methods = verispec_methods(ours, None, "tiny", ["ngram@policy=fixed"], 4, "float32", ["normal"], 64,
+                               factories=FACTORIES)
     rep = R.build(run_interleaved(methods, prompts, 12, rounds=1), methods, prompts, {}, env={"x": 1})
-    assert rep["mismatches"] == {} and rep["summary"]["ngram"]["equality"] == {
+    assert rep["mismatches"] == {} and rep["summary"]["ngram@policy=fixed"]["equality"] == {
         "identical": 3, "total": 3, "mismatched_prompts": [], "first_divergence": {"median": None, "min": None,
                                                                                   "max": None, "n": 0}}
-    assert rep["summary"]["ngram"]["drafted"] > 0
+    assert rep["summary"]["ngram@policy=fixed"]["drafted"] > 0
 
     from verispec.verify.chain import ChainVerifier
 
@@ -156,8 +158,8 @@ def test_equality_check_catches_a_broken_acceptor(tiny, monkeypatch):
     monkeypatch.setattr(ChainVerifier, "accept", accept_everything)
     traces = run_interleaved(methods, prompts, 12, rounds=1)
     rep = R.build(traces, methods, prompts, {}, env={"x": 1})
-    assert "ngram" in rep["mismatches"] and "plain" not in rep["mismatches"]
-    assert rep["summary"]["ngram"]["equality"]["identical"] < 3
+    assert "ngram@policy=fixed" in rep["mismatches"] and "plain" not in rep["mismatches"]
+    assert rep["summary"]["ngram@policy=fixed"]["equality"]["identical"] < 3
 
 
 def test_report_files_are_written_and_parse(tiny, tmp_path):
