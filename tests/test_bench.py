@@ -388,3 +388,28 @@ def test_server_sweep_streams_the_same_greedy_text(tmp_path):
         "cpu": "x", "logical_cpus": 2, "torch_threads": 1, "memory_gib": 1, "load_average": None}}, tmp_path)
     assert "load_sweep.png" in {f.name for f in files}
     assert "ngram (server)" in (tmp_path / "report.md").read_text()
+
+
+def test_sweep_keeps_a_methods_policy_through_the_load_levels(tiny, monkeypatch):
+    """An adaptive policy learns acceptance and step costs; in the sweep it lives through every
+    level of its method, as in a server process, and is never shared between methods."""
+    import verispec.bench.runner as runner
+
+    hf, ours, prompts = tiny
+    built = []  # (spec's drafter, policy passed in, the engine's policy)
+    real = runner.build_engine
+
+    def recording(target, tok, cfg, factory=None, policy=None):
+        eng = real(target, tok, cfg, factory, policy)
+        built.append((cfg.drafter, cfg.draft_policy, policy, eng.policy))
+        return eng
+
+    monkeypatch.setattr(runner, "build_engine", recording)
+    run_sweep(ours, None, "tiny", ["ngram", "ngram@policy=fixed"], 4, "float32", "normal", [1, 2, 4], prompts, 6, 64,
+              factories=FACTORIES)
+    adaptive = [b for b in built if b[1] == "adaptive"]
+    fixed = [b for b in built if b[1] == "fixed"]
+    assert len(adaptive) == len(fixed) == 3
+    assert adaptive[0][2] is None and all(b[2] is adaptive[0][3] and b[3] is adaptive[0][3] for b in adaptive[1:])
+    assert all(b[3] is not adaptive[0][3] for b in fixed)
+    assert adaptive[0][3].estimator.observations > 0  # it did learn along the way

@@ -225,31 +225,35 @@ class StepCost:
         self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
 
     def __call__(self, num_tokens: int) -> float:
-        known = sorted(t for t, q in self.seen.items() if len(q) >= self.MIN_SEEN)
-        median = lambda t: statistics.median(self.seen[t])  # noqa: E731
+        return self.table(num_tokens, 0)[0]
+
+    def table(self, num_reqs: int, widest: int) -> list[float]:
+        """Seconds for windows 0..widest at this batch size (forwards of num_reqs x (1 + window)
+        tokens), monotone in the window. The medians are taken once per call (once per step)."""
+        med = {t: statistics.median(q) for t, q in self.seen.items() if len(q) >= self.MIN_SEEN}
+        known = sorted(med)
+        out: list[float] = []
+        for w in range(widest + 1):
+            out.append(max(self._estimate(num_reqs * (1 + w), known, med), out[-1] if out else 0.0))
+        return out
+
+    def _estimate(self, num_tokens: int, known: list[int], med: dict[int, float]) -> float:
         below = [t for t in known if t <= num_tokens]
         above = [t for t in known if t >= num_tokens]
         prof = self.profile.verify_cost
         if below and above:
             lo, hi = below[-1], above[0]
             if lo == hi:
-                return median(lo)
-            return median(lo) + (median(hi) - median(lo)) * (num_tokens - lo) / (hi - lo)
+                return med[lo]
+            return med[lo] + (med[hi] - med[lo]) * (num_tokens - lo) / (hi - lo)
         if below:  # past every seen count
             lo, hi = known[0], known[-1]
-            shape = median(hi) * prof(num_tokens) / max(prof(hi), 1e-12)
+            shape = med[hi] * prof(num_tokens) / max(prof(hi), 1e-12)
             if lo == hi:
                 return shape
-            slope = max(0.0, (median(hi) - median(lo)) / (hi - lo))
-            return min(shape, median(hi) + slope * (num_tokens - hi))
+            slope = max(0.0, (med[hi] - med[lo]) / (hi - lo))
+            return min(shape, med[hi] + slope * (num_tokens - hi))
         if above:  # below every seen count
             near = above[0]
-            return min(median(near), median(near) * prof(num_tokens) / max(prof(near), 1e-12))
+            return min(med[near], med[near] * prof(num_tokens) / max(prof(near), 1e-12))
         return prof(num_tokens)
-
-    def table(self, num_reqs: int, widest: int) -> list[float]:
-        """Seconds for windows 0..widest at this batch size, monotone in the window."""
-        out: list[float] = []
-        for w in range(widest + 1):
-            out.append(max(self(num_reqs * (1 + w)), out[-1] if out else 0.0))
-        return out

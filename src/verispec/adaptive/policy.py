@@ -107,7 +107,7 @@ class AdaptiveDraftLength:
         return out
 
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
-        if self._verify_started is not None:  # the step's time after drafting, by batch and window
+        if self._verify_started is not None:  # the step's time after drafting, by forward size
             n, width, t0 = self._verify_started
             self.step_cost.record(n * (1 + width), time.perf_counter() - t0)
             self._verify_started = None
