@@ -157,7 +157,7 @@ def cmd_generate(args) -> int:
     drafter = None if args.drafter in ("none", "") else args.drafter
     try:
         llm = LLM(args.model, tokenizer=tok, drafter=drafter, num_draft_tokens=args.num_draft_tokens,
-                  draft_tree=args.tree, draft_policy=args.draft_policy, dtype=args.dtype, device=args.device, max_model_len=max_len, exact=args.exact)
+                  draft_tree=args.tree, draft_policy=args.draft_policy, dtype=args.dtype, quant=args.quant, device=args.device, max_model_len=max_len, exact=args.exact)
         llm.generate(ids[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up: first-call allocations
         spec = llm.generate(ids, sp)
         plain = llm.generate(ids, sp, speculative=False) if args.compare and drafter else None
@@ -166,7 +166,7 @@ def cmd_generate(args) -> int:
 
     report = {
         "model": args.model, "drafter": drafter, "num_draft_tokens": args.num_draft_tokens, "tree": args.tree,
-        "dtype": args.dtype, "exact": args.exact, "threads": threads, "sampling": sp.__dict__,
+        "dtype": args.dtype, "quant": args.quant, "exact": args.exact, "threads": threads, "sampling": sp.__dict__,
         "outputs": [o.to_dict() for o in spec.outputs],
         "stats": {**spec.stats.to_dict(), "tokens": spec.num_tokens, "seconds": round(spec.seconds, 3),
                   "tokens_per_second": round(spec.tokens_per_second, 2)},
@@ -184,7 +184,7 @@ def cmd_generate(args) -> int:
         print(f"--- prompt: {p!r}")
         print(o.text)
     s = report["stats"]
-    print(f"\n[{drafter or 'no drafter'}, k={args.num_draft_tokens}, {args.tree}, {args.dtype}, {threads} threads] {s['tokens']} "
+    print(f"\n[{drafter or 'no drafter'}, k={args.num_draft_tokens}, {args.tree}, {args.dtype}{'' if args.quant == 'none' else ' ' + args.quant}, {threads} threads] {s['tokens']} "
           f"tokens in {s['seconds']} s = {s['tokens_per_second']} tok/s | tau {s['tau']} tokens/forward | "
           f"acceptance {s['acceptance_rate']:.1%} | per position {s['acceptance_per_position_conditional']}")
     if plain is not None:

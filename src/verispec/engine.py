@@ -26,7 +26,7 @@ from .drafters import Draft, Drafter, TreeShape, make_drafter
 from .kv import KV_BLOCK, CacheFullError, KVCache, round_up
 from .models import DEFAULT_MODEL, CausalLM, load_model, load_tokenizer
 from .models.paths import PathViews
-from .options import MAX_DRAFT_TOKENS
+from .options import MAX_DRAFT_TOKENS, QUANT_MODES
 from .policy import DraftLengthPolicy, FixedDraftLength
 from .sampling import SamplingParams, probs, sample
 from .sequence import Sequence, SpecStats
@@ -49,6 +49,7 @@ class EngineConfig:
     num_draft_tokens: int = 5  # draft nodes verified per step (a chain's length, a tree's node budget)
     draft_tree: str = "chain"  # chain | dynamic[:W] | static:B1,B2,..  (drafters.TreeShape)
     dtype: str = "bfloat16"
+    quant: str = "none"  # none | int8 | int4: weight-only quantized target (models/quant.py)
     device: str = "cpu"
     max_batch_size: int = 8  # KV slots: requests decoded at once (more wait in the queue)
     kv_cache_mb: float | None = None  # if set, the target's KV memory budget; it must hold max_batch_size slots
@@ -62,6 +63,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.quant not in QUANT_MODES:
+            raise ValueError(f"unknown quantization {self.quant!r}; choose one of {', '.join(QUANT_MODES)}")
         if not 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft_tokens must be between 0 and {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
         if self.max_batch_size < 1 or self.max_model_len < 2:
@@ -363,7 +366,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, tokenizer=None, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
         c = self.config
-        target = load_model(c.model, DTYPES[c.dtype], c.device)
+        target = load_model(c.model, DTYPES[c.dtype], c.device, c.quant)
         if "max_model_len" in kwargs and c.max_model_len > target.config.max_position_embeddings:
             raise ValueError(f"max_model_len {c.max_model_len} exceeds the context of {model} "
                              f"({target.config.max_position_embeddings} tokens)")

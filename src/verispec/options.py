@@ -17,6 +17,7 @@ from . import cli_help
 from .errors import EXIT_USER_ERROR
 
 DEFAULT_MODEL = "gemma3-270m"  # = models.DEFAULT_MODEL (a test checks)
+QUANT_MODES = ("none", "int8", "int4")  # models/quant.py
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")  # = engine.DTYPES (a test checks)
 # -k is the number of spare KV rows every request reserves (k + 1) and the rows of every verify
 # forward; a cap keeps a typo (-k 1000) from reserving and verifying thousands of rows per step.
@@ -74,9 +75,10 @@ def dtype_name(s: str) -> str:
 
 
 def engine_options(*, drafter: bool = True, draft_tokens: bool = True, device: bool = True, exact: bool = True,
-                   max_model_len_help: str | None = None, per_request: bool = False) -> argparse.ArgumentParser:
+                   quant: bool = True, max_model_len_help: str | None = None,
+                   per_request: bool = False) -> argparse.ArgumentParser:
     """The parent parser of the engine flags. A command leaves out the flags it has no use for
-    (bench takes a list of --drafters and runs both modes; data drafts with ngram). per_request:
+    (bench takes a list of --drafters, modes and --quant; data drafts with ngram). per_request:
     say that a request may override -k and --tree (the server)."""
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("model and engine")
@@ -96,6 +98,10 @@ def engine_options(*, drafter: bool = True, draft_tokens: bool = True, device: b
                             "the same with vLLM's one-step-old budget instead of the early stop; fixed: all k")
     g.add_argument("--dtype", type=dtype_name, default="bfloat16", metavar="DTYPE",
                    help="bfloat16, float32, or float16 (refused for Gemma, whose activations overflow it)")
+    if quant:
+        g.add_argument("--quant", choices=QUANT_MODES, default="none",
+                       help="weight-only quantization of the target's projections and LM head: int8 (per-row scales) "
+                            "or int4 (groups of 32); speculative output equals the quantized model's own plain output")
     if device:
         g.add_argument("--device", default="cpu", help="torch device")
     g.add_argument("--max-model-len", type=int_range(2), default=None, metavar="N",

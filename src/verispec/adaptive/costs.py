@@ -97,6 +97,7 @@ def profile_key(model) -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "device": str(model.device), "dtype": str(model.dtype),
+            "quant": getattr(model, "quant", "none"),
             "threads": torch.get_num_threads(), "model": arch, "context": CONTEXT}
 
 

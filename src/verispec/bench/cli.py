@@ -28,7 +28,7 @@ def _list(s: str) -> list[str]:
 def add_parser(sub) -> None:
     from ..options import engine_options
 
-    opts = engine_options(drafter=False, device=False, exact=False,
+    opts = engine_options(drafter=False, device=False, exact=False, quant=False,
                           max_model_len_help="KV rows per sequence (default: longest prompt + max tokens + 8)")
     b = sub.add_parser("bench", parents=[opts], help="benchmark drafters against plain decoding and peers on standard prompt sets",
                        description="Runs plain decoding and every drafter on the same prompts (interleaved per "
@@ -55,6 +55,10 @@ def add_parser(sub) -> None:
                    help="normal and/or exact (EngineConfig.exact): e.g. normal,exact measures exact mode's cost")
     b.add_argument("--exact-drafters", type=_list, default=None,
                    help="drafters that also run in exact mode (default: all of --drafters)")
+    b.add_argument("--quant", type=_list, default=["none"],
+                   help="comma-separated precisions of the target: none (the --dtype weights), int8, int4; plain and "
+                        "every drafter run on each, interleaved in the same run (the load sweep and the sampled "
+                        "check use the first)")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--peers", type=_list, default=["hf", "hf-pld", "llama.cpp", "llama.cpp-pld"],
                    help="hf (transformers generate), hf-pld[:K] (its prompt lookup; K defaults to -k), "
@@ -97,6 +101,11 @@ def _check(args) -> None:
             raise UserError(f"{name} must be >= {lo}, got {v}")
     if not args.sweep_via or any(v not in ("engine", "server") for v in args.sweep_via):
         raise UserError(f"--sweep-via takes engine and/or server, got {args.sweep_via}")
+    from ..options import QUANT_MODES
+
+    args.quant = list(dict.fromkeys(args.quant))
+    if not args.quant or any(q not in QUANT_MODES for q in args.quant):
+        raise UserError(f"--quant takes {', '.join(QUANT_MODES)}, got {args.quant}")
     if not args.modes or any(m not in ("normal", "exact") for m in args.modes):
         raise UserError(f"--modes takes normal and/or exact, got {args.modes}")
     for p in args.peers:
@@ -135,7 +144,8 @@ def cmd_bench(args) -> int:
     try:
         prompts = P.load(args.datasets, args.limit, args.mtbench_turns, args.sharegpt_n, args.seed, args.spread)
         log(f"{len(prompts)} prompts; loading {args.model} ({args.dtype})")
-        target = load_model(args.model, DTYPES[args.dtype])
+        targets = {q: load_model(args.model, DTYPES[args.dtype], quant=q) for q in args.quant}
+        target = targets[args.quant[0]]
         tok = load_tokenizer(args.model)
         model_type = target.config.model_type
         for p in prompts:
@@ -151,8 +161,10 @@ def cmd_bench(args) -> int:
         if longest + args.max_tokens > max_len:
             raise UserError(f"the longest prompt ({longest} tokens) + --max-tokens {args.max_tokens} exceeds "
                             f"--max-model-len {max_len}")
-        methods = verispec_methods(target, tok, args.model, args.drafters, args.num_draft_tokens, args.dtype,
-                                   args.modes, max_len, ignore_eos, exact_drafters=args.exact_drafters)
+        methods = [m for q, t in targets.items()
+                   for m in verispec_methods(t, tok, args.model, args.drafters, args.num_draft_tokens, args.dtype,
+                                             args.modes, max_len, ignore_eos, exact_drafters=args.exact_drafters,
+                                             quant=q)]
         methods += _peers(args, max_len, ignore_eos, notes, log)
     except P.PromptSetError as e:
         raise UserError(str(e)) from e
@@ -188,9 +200,11 @@ def cmd_bench(args) -> int:
             if not ignore_eos:
                 raise UserError("--sweep-via server always generates --max-tokens tokens (drop --stop-at-eos)")
             sweep += run_server_sweep(args.model, sweep_drafters, args.num_draft_tokens, args.dtype, args.concurrency,
-                                      prompts, args.max_tokens, max_len, args.sweep_rounds, args.threads, progress=log)
+                                      prompts, args.max_tokens, max_len, args.sweep_rounds, args.threads, progress=log,
+                                      quant=args.quant[0])
     config = {
         "model": args.model, "model_type": model_type, "hf_folder": str(hf_folder(args.model)), "dtype": args.dtype,
+        "quant": args.quant,
         "drafters": args.drafters, "datasets": args.datasets, "limit": args.limit, "spread": args.spread, "mtbench_turns": args.mtbench_turns,
         "sharegpt_n": args.sharegpt_n, "seed": args.seed, "max_tokens": args.max_tokens, "ignore_eos": ignore_eos,
         "num_draft_tokens": args.num_draft_tokens, "modes": args.modes,

@@ -99,13 +99,14 @@ def engine_runner(engine: Engine, ignore_eos: bool = True) -> Callable[[list[int
 
 def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int, dtype: str, modes: list[str],
                      max_model_len: int, ignore_eos: bool = True, factories: dict | None = None,
-                     exact_drafters: list[str] | None = None) -> list[Method]:
+                     exact_drafters: list[str] | None = None, quant: str = "none") -> list[Method]:
     """plain + every drafter, in every mode ("normal", "exact"; exact mode only for `exact_drafters`
-    when given); factories: drafter spec -> drafter factory (tests)."""
+    when given); factories: drafter spec -> drafter factory (tests); quant: the target's
+    quantization (the names of a quantized target's methods end in [int8] / [int4])."""
     out = []
     for mode in modes:
         exact = mode == "exact"
-        tag = " [exact]" if exact else ""
+        tag = "".join(f" [{t}]" for t in (quant if quant != "none" else None, "exact" if exact else None) if t)
         plain = f"plain{tag}"
         for spec in [None, *drafters]:
             if exact and spec is not None and exact_drafters is not None and spec not in exact_drafters:
@@ -116,7 +117,7 @@ def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int,
             eng = build_engine(target, tokenizer, cfg, factory)
             name = f"{spec}{tag}" if spec else plain
             conf = {"engine": "verispec", "drafter": drafter, "tree": tree, "num_draft_tokens": cfg.num_draft_tokens,
-                    "draft_policy": policy, "dtype": dtype,
+                    "draft_policy": policy, "dtype": dtype, "quant": quant,
                     "exact": exact, "max_model_len": max_model_len, "max_batch_size": 1}
             out.append(Method(name, "verispec", plain, engine_runner(eng, ignore_eos), conf))
     return out

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .quant import PackedWeight
 
 INVARIANT_ROWS = 64  # rows per GEMM call in invariant mode (bf16 CPU GEMM rows are count-invariant up to here)
 
@@ -43,6 +44,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a verify window than in a one-token decode step.
     """
     M = x.numel() // x.shape[-1]
+    if isinstance(weight, PackedWeight):  # int8/int4 (quant.py): rows independent of the row count already
+        y = weight.mm(x.reshape(M, x.shape[-1]), invariant)
+        y = y if bias is None else y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
     if x.dtype != weight.dtype or (
         not invariant and (x.device.type != "cpu" or x.dtype == torch.float32 or M > 16)
     ):
@@ -169,6 +174,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
             self.k_norm = RMSNorm(hd, c.rms_norm_eps, c.gemma_norms)
         self.qkv: tuple | None = None  # fused (weight, bias) once `fuse()` ran
+        self.out: tuple | None = None  # (weight, bias) of o_proj once quantized (quant.py)
         self.invariant = False  # batch-invariant matmuls (exact mode)
 
     def fuse(self):
@@ -200,7 +206,8 @@ class Attention(nn.Module):
         o = attend(q, K, V, mask, c.attn_scale, c.attn_logit_softcap, self.invariant)
         if route is not None:
             o = route.scatter_outputs(o, B, T)
-        return linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj.weight, self.o_proj.bias, self.invariant)
+        out = self.out or (self.o_proj.weight, self.o_proj.bias)
+        return linear(o.transpose(1, 2).reshape(B, T, -1), *out, self.invariant)
 
 
 class MLP(nn.Module):
@@ -211,6 +218,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.gelu = c.activation == "gelu_tanh"
         self.gate_up: tuple | None = None
+        self.down: tuple | None = None  # (weight, bias) of down_proj once quantized (quant.py)
         self.invariant = False
 
     def fuse(self):
@@ -223,7 +231,8 @@ class MLP(nn.Module):
             g = linear(x, self.gate_proj.weight, self.gate_proj.bias, self.invariant)
             u = linear(x, self.up_proj.weight, self.up_proj.bias, self.invariant)
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return linear(g * u, self.down_proj.weight, self.down_proj.bias, self.invariant)
+        down = self.down or (self.down_proj.weight, self.down_proj.bias)
+        return linear(g * u, *down, self.invariant)
 
 
 class DecoderLayer(nn.Module):

@@ -23,6 +23,7 @@ import torch
 from . import checkpoint
 from .config import ModelConfig
 from .model import CausalLM
+from .quant import quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,10 @@ def check_dtype(cfg: ModelConfig, dtype: torch.dtype, name: str) -> None:
                              f"65504, and every output token would be garbage); use bfloat16 or float32")
 
 
-def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> CausalLM:
-    """Our `CausalLM` with the weights of `name` (folder, .gguf, or the default model alias)."""
+def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+               quant: str = "none") -> CausalLM:
+    """Our `CausalLM` with the weights of `name` (folder, .gguf, or the default model alias);
+    quant int8/int4: its projections and LM head quantized (quant.py)."""
     from safetensors.torch import load_file
 
     folder = hf_folder(name)
@@ -177,7 +180,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | tor
     for k in unexpected:
         sd.pop(k)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True, strict=True)
-    return model.to(device).eval().requires_grad_(False).fuse()
+    model = model.to(device).eval().requires_grad_(False).fuse()
+    return quantize_model(model, quant)
 
 
 def _strip_prefix(key: str) -> str:

@@ -57,6 +57,8 @@ class CausalLM(nn.Module):
         self._rope_cache: dict = {}
         self._rope_len = 0  # RoPE table rows; grown by new_cache to the longest cache
         self.invariant = False
+        self.quant = "none"  # none | int8 | int4 (quant.quantize_model)
+        self.packed_head = None  # the quantized LM head (quant.PackedWeight)
 
     def set_batch_invariant(self, on: bool) -> "CausalLM":
         """Exact mode: every matmul gives a row the same bits whatever else is in the batch."""
@@ -83,6 +85,8 @@ class CausalLM(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to()/.half() replace parameters; fused matrices are plain tensors, so rebuild them after
+        if self.quant != "none":
+            raise RuntimeError("a quantized model cannot be moved or cast; quantize it where it runs, last")
         super()._apply(fn, recurse)
         if getattr(self, "_fused", False):
             self.fuse()
@@ -116,7 +120,7 @@ class CausalLM(nn.Module):
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [..., H] after the final norm -> fp32 logits [..., V]."""
-        logits = linear(h, self.head_weight(), None, self.invariant).float()
+        logits = linear(h, self.packed_head or self.head_weight(), None, self.invariant).float()
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

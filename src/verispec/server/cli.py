@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         llm = LLM(args.model, drafter=None if args.drafter in ("none", "") else args.drafter,
-                  num_draft_tokens=args.num_draft_tokens, draft_tree=args.tree, draft_policy=args.draft_policy, dtype=args.dtype, device=args.device,
+                  num_draft_tokens=args.num_draft_tokens, draft_tree=args.tree, draft_policy=args.draft_policy, dtype=args.dtype, quant=args.quant, device=args.device,
                   max_batch_size=args.max_batch_size, max_model_len=max_len, kv_cache_mb=args.kv_cache_mb,
                   prefill_chunk=args.prefill_chunk, exact=args.exact)
         stop_ids = turn_end_ids(llm.tokenizer, llm.engine.model.config.model_type, hf_folder(args.model))

@@ -169,11 +169,11 @@ def cmd_data(args) -> int:
           f"{cfg.hidden_size}-wide target: {bpt} bytes per token (bf16), at most "
           f"~{est * bpt / 2**20:.1f} MiB for ~{est} tokens", flush=True)
     try:
-        target = load_model(args.model, DTYPES[args.dtype], args.device)
+        target = load_model(args.model, DTYPES[args.dtype], args.device, args.quant)
         index = build_dataset(target, ids, args.out, layers, max_tokens=args.max_tokens, temperature=args.temperature,
                               seed=args.seed, batch_size=args.batch_size, shard_size=args.shard_size,
                               no_hidden=args.no_hidden, stop_token_ids=tuple(stop), max_model_len=max_len,
-                              meta={"model": args.model, "prompts_source": args.prompts}, progress=True)
+                              meta={"model": args.model, "quant": args.quant, "prompts_source": args.prompts}, progress=True)
     except (DataError, ModelLoadError) as e:
         raise UserError(str(e)) from e
     print(f"done: {index['samples']} samples, {index['tokens']} tokens in {len(index['shards'])} shards -> {args.out}")

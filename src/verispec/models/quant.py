@@ -1,0 +1,137 @@
+"""Weight-only int8 and int4 quantization of a target's projections and LM head.
+
+Decoding one token reads every weight once, so its speed is set by the bytes of weights read
+(the 262,144 x 640 LM head of Gemma 3 270M alone is 335 MB in bf16). Storing the weights as int8
+(per output row scale) or int4 (groups of INT4_GROUP along the input, a scale and a zero each)
+halves or quarters those bytes; activations stay in the model dtype.
+
+The kernels are torch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
+which also fix a CPU problem of bf16 weights: on a CPU without bf16 arithmetic (no AVX512-BF16 /
+AMX) a bf16 GEMM of more than one row costs 4-6x a one-row GEMV, while these kernels cost about
+the same for 1 to 4 rows (measured on the 2-core dev machine: LM head, 1 row / 4 rows: bf16
+24 / 105 ms, int8 14 / 19 ms, int4 10 / 13 ms). Both compute each output row on its own, so a
+row's bits do not depend on how many rows share the call (tests/test_quant.py checks it bit for
+bit): speculative verification stays lossless against plain decoding on the same weights.
+
+Where a kernel is missing (other devices, shapes it does not take), the quantized weight is
+de-quantized once and run as an ordinary dense weight: the same numbers, without the speed.
+Losslessness is relative to the model as run: the quantized model's own plain decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..options import QUANT_MODES  # ("none", "int8", "int4"), defined where the CLI (no torch) reads it
+INT4_GROUP = 32  # input columns per int4 scale/zero pair
+INT4_N_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
+
+
+class PackedWeight:
+    """A weight [N, K] stored quantized; `mm(x [M, K]) -> [M, N]` in x's dtype.
+
+    int8: w = q * scale[n], q in [-127, 127] (symmetric, one scale per output row).
+    int4: w = (q - 8) * scale[n, g] + zero[n, g], q in [0, 15], g = k // INT4_GROUP (asymmetric:
+          zero = min + 8 * scale, so q spans the group's [min, max] in 15 steps).
+    """
+
+    def __init__(self, weight: torch.Tensor, mode: str, group_size: int = INT4_GROUP):
+        if mode not in ("int8", "int4"):
+            raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
+        self.mode, self.group_size = mode, group_size
+        self.shape = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+        w = weight.detach().float()  # [N, K]
+        N, K = w.shape
+        if mode == "int8":
+            scale = (w.abs().amax(1) / 127).clamp(min=1e-12).to(self.dtype)  # [N], rounded as the kernel reads it
+            self.q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
+            self.scale = scale
+            self.kernel = self.device.type == "cpu" and self.dtype != torch.float16
+        else:
+            if K % group_size:
+                raise ValueError(f"int4 needs the input width ({K}) to be a multiple of the group size {group_size}")
+            g = w.reshape(N, K // group_size, group_size)
+            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+            scale = ((hi - lo) / 15).clamp(min=1e-12).to(self.dtype)  # [N, G, 1]
+            zero = (lo + 8 * scale.float()).to(self.dtype)  # [N, G, 1]
+            q = ((g - zero.float()) / scale.float() + 8).round().clamp(0, 15)  # [N, G, gs]
+            self.q = q.reshape(N, K).to(torch.uint8)  # unpacked codes, kept for de-quantizing
+            self.scale, self.zero = scale[..., 0], zero[..., 0]  # [N, G]
+            self.kernel = self.device.type == "cpu" and self.dtype != torch.float16 and N % INT4_N_MULTIPLE == 0
+            if self.kernel:
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32), 1)
+                # [G, N, 2]: (scale, zero) per group, the layout the kernel reads
+                self.scales_and_zeros = torch.stack([self.scale, self.zero], -1).transpose(0, 1).contiguous()
+                del self.q
+        self.dense = None if self.kernel else self.dequantize()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as the model runs it, [N, K] in the model dtype (exactly the kernel's values)."""
+        if self.mode == "int8":
+            return (self.q.float() * self.scale.float()[:, None]).to(self.dtype)
+        N, K = self.shape
+        if getattr(self, "q", None) is None:  # packed away: recover the codes through the kernel
+            eye = torch.eye(K, dtype=self.dtype, device=self.device)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size,
+                                                              self.scales_and_zeros).t().contiguous()
+        q = self.q.float().reshape(N, K // self.group_size, self.group_size)
+        w = (q - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
+        return w.reshape(N, K).to(self.dtype)
+
+    def mm(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """x [M, K] -> x @ W.T [M, N]; rows independent of M on the kernel path."""
+        if self.dense is not None:
+            from .layers import linear
+
+            return linear(x, self.dense, None, invariant)
+        if self.mode == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward reads for this weight."""
+        if self.dense is not None:
+            return self.dense.numel() * self.dense.element_size()
+        if self.mode == "int8":
+            return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+
+
+def quantize_model(model, mode: str, group_size: int = INT4_GROUP):
+    """Quantize the decoder projections and the LM head of a `CausalLM` in place (after it is on
+    its device and fused). The token embedding stays in the model dtype (a lookup reads one row);
+    norms and biases too. The dense projection weights are dropped."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
+    if mode == "none":
+        return model
+    if not getattr(model, "_fused", False):
+        model.fuse()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv = (PackedWeight(attn.qkv[0], mode, group_size), attn.qkv[1])
+        attn.out = (PackedWeight(attn.o_proj.weight, mode, group_size), attn.o_proj.bias)
+        mlp.gate_up = (PackedWeight(mlp.gate_up[0], mode, group_size), mlp.gate_up[1])
+        mlp.down = (PackedWeight(mlp.down_proj.weight, mode, group_size), mlp.down_proj.bias)
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            m.weight = nn.Parameter(torch.empty(0, dtype=model.dtype, device=model.device), requires_grad=False)
+    model.packed_head = PackedWeight(model.head_weight(), mode, group_size)
+    if not model.config.tie_word_embeddings:
+        model.lm_head.weight = nn.Parameter(torch.empty(0, dtype=model.dtype, device=model.device), requires_grad=False)
+    model.quant = mode
+    return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads (projections and LM head; not the embedding table)."""
+    total = 0
+    for layer in model.model.layers:
+        for w in (layer.self_attn.qkv[0], layer.self_attn.out[0] if layer.self_attn.out else layer.self_attn.o_proj.weight,
+                  layer.mlp.gate_up[0], layer.mlp.down[0] if layer.mlp.down else layer.mlp.down_proj.weight):
+            total += w.nbytes
+    head = getattr(model, "packed_head", None)
+    total += head.nbytes if head is not None else model.head_weight().nbytes
+    return total
