@@ -162,3 +162,23 @@ def test_sampled_output_of_a_quantized_target_is_its_distribution(quantized_mode
     assert t < thr, f"TV {t:.4f} >= threshold {thr:.4f}: sampling on the {mode} target is not its distribution"
     for pos, (tm, (thm, _, _)) in enumerate(marg):
         assert tm < thm, f"position {pos + 1}: marginal TV {tm:.4f} >= threshold {thm:.4f}"
+
+
+def test_quality_scores_equal_transformers_loss():
+    """bench/quality.py: teacher-forced NLL and argmax of the scored tokens, against transformers."""
+    from verispec.bench.quality import common_prefix, greedy_agreement, perplexity, score
+
+    hf = build_hf("qwen3")
+    ours = ours_from_hf(hf).fuse()
+    ids = random_ids(20, hf.config.vocab_size, seed=8)[0].tolist()
+    s = score(ours, ids, start=7)
+    logp = hf_logits(hf, torch.tensor([ids]))[0].log_softmax(-1)[6:19]
+    want = -logp.gather(1, torch.tensor(ids[7:])[:, None]).sum().item()
+    assert s.tokens == 13 and abs(s.nll - want) < 1e-3 * abs(want)
+    assert torch.equal(s.argmax, logp.argmax(-1))
+    assert abs(perplexity([s]) - torch.exp(torch.tensor(want / 13)).item()) < 1e-3 * perplexity([s])
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert greedy_agreement([[1, 2], [3]], [[1, 2], [4]]) == {"identical": 1, "outputs": 2,
+                                                              "mean_common_prefix": 1.0, "mean_length": 1.5}
+    with pytest.raises(ValueError, match="context token"):
+        score(ours, ids, start=0)

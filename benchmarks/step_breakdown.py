@@ -1,0 +1,126 @@
+"""Where the time of one plain decode step goes, per precision (torch profiler, batch 1).
+
+    python benchmarks/step_breakdown.py --quant none,int8,int4 --tokens 32 --out benchmarks/results/quant
+
+Decodes --tokens tokens of the quick-start prompt once untimed, then under the profiler, and
+groups the operators' self CPU time per decode step into: projections (the matmul kernels of
+q/k/v, o, gate/up, down), LM head (the matmul of the one [N = vocab] weight), attention, and
+everything else (norms, RoPE, activations, KV writes, casts, indexing: one small op after
+another). Also prints the weight bytes a step reads and the wall time per step without the
+profiler, against the bytes / (measured read bandwidth) bound. Writes breakdown.json/.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from verispec.engine import DTYPES, Engine, EngineConfig
+from verispec.models import load_model, load_tokenizer
+from verispec.models.quant import weight_bytes
+from verispec.sampling import SamplingParams
+from verispec.threads import setup_threads
+
+MATMUL_OPS = {"aten::mm", "aten::mv", "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
+              "aten::_weight_int4pack_mm_for_cpu", "aten::linear", "aten::bmm"}
+ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention"}
+
+
+def read_bandwidth(mb: int = 512, repeats: int = 5) -> float:
+    """GB/s of summing a large fp32 tensor (all threads): how fast this machine streams weights in."""
+    x = torch.ones(mb * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def decode(model, tok, prompt: str, tokens: int):
+    eng = Engine(model, tok, EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=0,
+                                          max_batch_size=1, max_model_len=256))
+    seq = eng.add_request(tok(prompt).input_ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    eng.step()  # prefill (and the first token)
+    t0 = time.perf_counter()
+    steps = 0
+    while eng.has_work:
+        eng.step()
+        steps += 1
+    return seq, (time.perf_counter() - t0) / steps, steps
+
+
+def breakdown(model, tok, prompt: str, tokens: int) -> dict:
+    decode(model, tok, prompt, 8)  # warm-up
+    walls = [decode(model, tok, prompt, tokens)[1] for _ in range(3)]
+    head_n = model.config.vocab_size
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _, _, steps = decode(model, tok, prompt, tokens)
+    groups = defaultdict(float)
+    for ev in prof.key_averages(group_by_input_shape=True):
+        us = ev.self_cpu_time_total
+        shapes = str(ev.input_shapes)
+        if ev.key in MATMUL_OPS:
+            groups["LM head" if str(head_n) in shapes else "projections"] += us
+        elif ev.key in ATTENTION_OPS:
+            groups["attention"] += us
+        else:
+            groups["everything else"] += us
+    # the prefill step ran before the profiler; every profiled step is a one-token decode step
+    per_step = {k: v / 1e3 / steps for k, v in groups.items()}
+    return {"wall_ms_per_step": sorted(walls)[1] * 1e3, "profiled_ms_per_step": per_step,
+            "weight_bytes": weight_bytes(model)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quant", default="none,int8,int4")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", default="def fibonacci(n):")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    threads = setup_threads(args.threads)
+    tok = load_tokenizer(args.model)
+    bw = read_bandwidth()
+    rows = {}
+    for q in args.quant.split(","):
+        model = load_model(args.model, DTYPES[args.dtype], quant=q)
+        rows[q] = breakdown(model, tok, args.prompt, args.tokens)
+        print(f"[breakdown] {q}: {rows[q]}", file=sys.stderr, flush=True)
+        del model
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "breakdown.json").write_text(json.dumps({"config": vars(args) | {"threads": threads},
+                                                    "read_bandwidth_gb_s": bw, "rows": rows}, indent=2))
+    cats = ["projections", "LM head", "attention", "everything else"]
+    md = [f"# One plain decode step of {args.model} at batch 1 ({threads} threads)", "",
+          f"`python benchmarks/step_breakdown.py --quant {args.quant} --tokens {args.tokens} --out {args.out}`; "
+          f"read bandwidth {bw:.1f} GB/s (summing a 512 MiB fp32 tensor).", "",
+          "| weights | MB read per step | bound (MB / bandwidth) | wall ms/step | tok/s | "
+          + " | ".join(f"{c} ms" for c in cats) + " |", "|---" * (5 + len(cats)) + "|"]
+    for q, r in rows.items():
+        mb = r["weight_bytes"] / 1e6
+        bound_ms = r["weight_bytes"] / (bw * 1e9) * 1e3
+        p = r["profiled_ms_per_step"]
+        md.append(f"| {args.dtype if q == 'none' else q} | {mb:.0f} | {bound_ms:.1f} ms ({1e3 / bound_ms:.0f} tok/s) | "
+                  f"{r['wall_ms_per_step']:.1f} | {1e3 / r['wall_ms_per_step']:.1f} | "
+                  + " | ".join(f"{p.get(c, 0):.1f}" for c in cats) + " |")
+    md += ["", "Profiled times are self CPU time per step under the profiler (it adds its own overhead to "
+               "every op, so the small ops look larger than they are); wall time is the median of 3 runs without it."]
+    (out / "breakdown.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
