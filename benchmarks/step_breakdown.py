@@ -24,7 +24,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from verispec.engine import DTYPES, Engine, EngineConfig
 from verispec.models import load_model, load_tokenizer
-from verispec.models.quant import weight_bytes
+try:
+    from verispec.models.quant import weight_bytes
+except ImportError:  # a verispec from before quantization (PYTHONPATH=an older checkout, for "before" numbers)
+    def weight_bytes(model) -> int:
+        return sum(p.nbytes for n, p in model.named_parameters() if "norm" not in n and "embed" not in n) \
+            + model.head_weight().nbytes
 from verispec.sampling import SamplingParams
 from verispec.threads import setup_threads
 
@@ -94,7 +99,7 @@ def main() -> int:
     bw = read_bandwidth()
     rows = {}
     for q in args.quant.split(","):
-        model = load_model(args.model, DTYPES[args.dtype], quant=q)
+        model = load_model(args.model, DTYPES[args.dtype], **({} if q == "none" else {"quant": q}))
         rows[q] = breakdown(model, tok, args.prompt, args.tokens)
         print(f"[breakdown] {q}: {rows[q]}", file=sys.stderr, flush=True)
         del model

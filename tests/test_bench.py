@@ -413,3 +413,24 @@ def test_sweep_keeps_a_methods_policy_through_the_load_levels(tiny, monkeypatch)
     assert adaptive[0][2] is None and all(b[2] is adaptive[0][3] and b[3] is adaptive[0][3] for b in adaptive[1:])
     assert all(b[3] is not adaptive[0][3] for b in fixed)
     assert adaptive[0][3].estimator.observations > 0  # it did learn along the way
+
+
+def test_quantized_targets_run_as_their_own_methods_paired_with_their_own_plain(tiny, capsys):
+    """bench --quant none,int8: each precision's methods carry its tag and are checked against the
+    plain decoding of the same weights (a quantized target's output is not the bf16 one's)."""
+    import copy
+
+    from verispec.cli import main
+    from verispec.models.quant import quantize_model
+
+    hf, ours, prompts = tiny
+    q8 = quantize_model(copy.deepcopy(ours).fuse(), "int8")
+    methods = _methods(ours) + _methods(q8, quant="int8")
+    assert [(m.name, m.baseline, m.config["quant"]) for m in methods] == [
+        ("plain", "plain", "none"), ("ngram", "plain", "none"),
+        ("plain [int8]", "plain [int8]", "int8"), ("ngram [int8]", "plain [int8]", "int8")]
+    rep = R.build(run_interleaved(methods, prompts, 12, rounds=1), methods, prompts, {}, env={"x": 1})
+    assert rep["mismatches"] == {}
+    assert rep["summary"]["ngram [int8]"]["equality"]["identical"] == 3
+    assert main(["bench", "--quant", "none,int3"]) == 2
+    assert "--quant takes none, int8, int4" in capsys.readouterr().err

@@ -25,6 +25,11 @@ def _list(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip() and x.strip().lower() != "none"]
 
 
+def _names(s: str) -> list[str]:
+    """A comma-separated list where "none" is a name (--quant none,int8), not the empty list."""
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
 def add_parser(sub) -> None:
     from ..options import engine_options
 
@@ -55,7 +60,7 @@ def add_parser(sub) -> None:
                    help="normal and/or exact (EngineConfig.exact): e.g. normal,exact measures exact mode's cost")
     b.add_argument("--exact-drafters", type=_list, default=None,
                    help="drafters that also run in exact mode (default: all of --drafters)")
-    b.add_argument("--quant", type=_list, default=["none"],
+    b.add_argument("--quant", type=_names, default=["none"],
                    help="comma-separated precisions of the target: none (the --dtype weights), int8, int4; plain and "
                         "every drafter run on each, interleaved in the same run (the load sweep and the sampled "
                         "check use the first)")
@@ -185,7 +190,8 @@ def cmd_bench(args) -> int:
         from .sampled import run_sampled_check
 
         sampled = run_sampled_check(target, tok, args.model, args.drafters, args.num_draft_tokens, args.dtype, prompts,
-                                    args.sample_check, args.sample_n, max_len, progress=log)
+                                    args.sample_check, args.sample_n, max_len, progress=log,
+                                    tag="" if args.quant[0] == "none" else f" [{args.quant[0]}]")
     sweep = []
     if args.concurrency:
         sweep_drafters = [None, *(args.sweep_drafters if args.sweep_drafters is not None else args.drafters)]

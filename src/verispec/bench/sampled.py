@@ -40,8 +40,9 @@ def pick_prompts(prompts: list[Prompt], count: int) -> list[Prompt]:
 def run_sampled_check(target, tokenizer, model: str, drafters: list[str], k: int, dtype: str, prompts: list[Prompt],
                       num_prompts: int, n: int, max_model_len: int, factories: dict | None = None,
                       settings: SamplingParams = SETTINGS, seed: int = 0,
-                      progress: Callable[[str], None] | None = None) -> dict:
-    """{"settings", "samples_per_check", "checks": [...], "skipped": [...]}; one check per (prompt, method)."""
+                      progress: Callable[[str], None] | None = None, tag: str = "") -> dict:
+    """{"settings", "samples_per_check", "checks": [...], "skipped": [...]}; one check per (prompt, method);
+    tag: appended to the method names (the target's precision, " [int8]")."""
     chosen: list[tuple[Prompt, ExactDistribution]] = []
     skipped = []
     for p in pick_prompts(prompts, num_prompts):
@@ -66,7 +67,7 @@ def run_sampled_check(target, tokenizer, model: str, drafters: list[str], k: int
             res = check_samples([s.output_ids for s in seqs], exact)
             drafted = sum(s.stats.drafted for s in seqs)
             accepted = sum(s.stats.accepted for s in seqs)
-            checks.append({"method": spec or "plain", "prompt": p.id, "dataset": p.dataset, **res.to_dict(),
+            checks.append({"method": (spec or "plain") + tag, "prompt": p.id, "dataset": p.dataset, **res.to_dict(),
                            "drafted": drafted, "acceptance_rate": accepted / drafted if drafted else None})
             if progress:
                 progress(f"sampled check {spec or 'plain'} on {p.id}: TV {res.tv:.3f} (threshold "

@@ -90,7 +90,11 @@ def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast, then scale by w."""
+    """RMSNorm in fp32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast, then scale by w.
+
+    `F.rms_norm` is one fused op where x * rsqrt(mean(x^2) + eps) written out is five; a decode step
+    runs 109 norms on Gemma 3 270M (4 per layer, q/k norms, the final one), so the small ops add up
+    (47 against 77 us per norm at batch 1 on the dev machine)."""
 
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
@@ -98,11 +102,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        shape = (x.shape[-1],)
         if self.gemma:
-            return (xf * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * xf.type_as(x)
+            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).type_as(x)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).type_as(x)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,39 @@ from torch import nn
 from ..options import QUANT_MODES  # ("none", "int8", "int4"), defined where the CLI (no torch) reads it
 INT4_GROUP = 32  # input columns per int4 scale/zero pair
 INT4_N_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
+INT4_FIT_ROUNDS = 4  # least-squares refits of each group's grid (below)
+INT4_ROWS = 8192  # rows fitted at a time (the LM head has 262,144)
+
+
+def _fit_int4(g: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 16-level grid w ~ (q - 8) * scale + zero of each group g [N, G, gs] (fp32), with the
+    least squared error we find: start from the group's [min, max], then alternate the codes q
+    (rounding, the best for a fixed grid) with a least-squares fit of (scale, zero) to those codes
+    (the best for fixed codes); each round can only lower the error, and the best round's grid is
+    kept, after rounding scale and zero to `dtype` as the kernel reads them.
+    Returns scale, zero [N, G, 1] in dtype and q [N, G, gs] in 0..15 (as float)."""
+    n = g.shape[-1]
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale, offset = ((hi - lo) / 15).clamp(min=1e-12), lo  # w ~ q * scale + offset, q in 0..15
+    best = None
+    for _ in range(INT4_FIT_ROUNDS + 1):
+        s, z = scale.to(dtype), (offset + 8 * scale).to(dtype)  # as stored
+        q = ((g - z.float()) / s.float() + 8).round().clamp(0, 15)
+        err = ((q - 8) * s.float() + z.float() - g).pow(2).sum(-1, keepdim=True)  # [N, G, 1]
+        if best is None:
+            best = [s, z, q, err]
+        else:
+            better = err < best[3]
+            best = [torch.where(better, new, old) for new, old in zip((s, z, q, err), best)]
+        sq, sqq = q.sum(-1, keepdim=True), q.pow(2).sum(-1, keepdim=True)
+        sw, sqw = g.sum(-1, keepdim=True), (q * g).sum(-1, keepdim=True)
+        det = n * sqq - sq * sq
+        ok = det > 0  # a group whose codes are all equal keeps its grid
+        fit_scale = (n * sqw - sq * sw) / det.clamp(min=1e-12)
+        ok &= fit_scale > 0
+        scale = torch.where(ok, fit_scale, scale)
+        offset = torch.where(ok, (sw - scale * sq) / n, offset)
+    return best[0], best[1], best[2]
 
 
 class PackedWeight:
@@ -52,11 +85,8 @@ class PackedWeight:
         else:
             if K % group_size:
                 raise ValueError(f"int4 needs the input width ({K}) to be a multiple of the group size {group_size}")
-            g = w.reshape(N, K // group_size, group_size)
-            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-            scale = ((hi - lo) / 15).clamp(min=1e-12).to(self.dtype)  # [N, G, 1]
-            zero = (lo + 8 * scale.float()).to(self.dtype)  # [N, G, 1]
-            q = ((g - zero.float()) / scale.float() + 8).round().clamp(0, 15)  # [N, G, gs]
+            parts = [_fit_int4(c.reshape(-1, K // group_size, group_size), self.dtype) for c in w.split(INT4_ROWS)]
+            scale, zero, q = (torch.cat(t) for t in zip(*parts))  # [N, G, 1] x 2, [N, G, gs]
             self.q = q.reshape(N, K).to(torch.uint8)  # unpacked codes, kept for de-quantizing
             self.scale, self.zero = scale[..., 0], zero[..., 0]  # [N, G]
             self.kernel = self.device.type == "cpu" and self.dtype != torch.float16 and N % INT4_N_MULTIPLE == 0
