@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from conftest import build_hf, hf_logits, ours_from_hf, random_ids
-from test_greedy_lossless import DRAFTERS, prompts_for, run
+from test_greedy_lossless import DRAFTERS, noisy_copy, prompts_for, run
 from test_sampling_lossless import check
+from verispec.drafters import ModelDrafter
 from verispec.engine import EngineConfig
 from verispec.models.quant import INT4_GROUP, PackedWeight, quantize_model, weight_bytes
 
@@ -133,10 +134,13 @@ def test_quantized_model_reads_fewer_bytes_and_refuses_to_move():
 @pytest.mark.parametrize("drafter", ["ngram", "layerskip", "draft-model"])
 def test_greedy_on_a_quantized_target_equals_its_plain_decoding(family, mode, drafter):
     """bf16 activations (the engine's batch-invariant numerics), a batch of 3 and a queue."""
-    target = quantize_model(ours_from_hf(build_hf(family)).to(torch.bfloat16).fuse(), mode)
+    dense = ours_from_hf(build_hf(family)).to(torch.bfloat16)
+    target = quantize_model(copy.deepcopy(dense).fuse(), mode)
     prompts = prompts_for(target.config.vocab_size)
     plain, _ = run(target, None, prompts, k=4)
-    spec, seqs = run(target, DRAFTERS[drafter], prompts, k=4)
+    # the draft model: the unquantized weights plus noise (a quantized model has no dense weights to perturb)
+    factory = (lambda t, b, L: ModelDrafter(noisy_copy(dense), b, L)) if drafter == "draft-model" else DRAFTERS[drafter]
+    spec, seqs = run(target, factory, prompts, k=4)
     assert spec == plain
     assert sum(s.stats.accepted for s in seqs) > 0, "nothing accepted: the check would be vacuous"
 
