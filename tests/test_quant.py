@@ -17,7 +17,7 @@ from torch import nn
 
 from conftest import build_hf, hf_logits, ours_from_hf, random_ids
 from test_greedy_lossless import DRAFTERS, noisy_copy, prompts_for, run
-from test_sampling_lossless import check
+from test_sampling_lossless import check, target_and_draft_hf
 from verispec.drafters import ModelDrafter
 from verispec.engine import EngineConfig
 from verispec.models.quant import INT4_GROUP, PackedWeight, quantize_model, weight_bytes
@@ -146,20 +146,10 @@ def test_greedy_on_a_quantized_target_equals_its_plain_decoding(family, mode, dr
 
 
 @pytest.fixture(scope="module")
-def quantized_models(request):
+def quantized_models():
     """(transformers with the de-quantized weights, our int8/int4 target, draft model): the
     sampling test's models (test_sampling_lossless.models), the target quantized."""
-    from test_sampling_lossless import V
-
-    hf = build_hf("llama", seed=3, vocab_size=V, num_hidden_layers=2)
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.mul_(2.0)
-        hf.lm_head.weight.mul_(2.0)
-    draft_hf = copy.deepcopy(hf)
-    g = torch.Generator().manual_seed(99)
-    with torch.no_grad():
-        for p in draft_hf.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
+    hf, draft_hf = target_and_draft_hf()
     out = {}
     for mode in MODES:
         target = quantize_model(ours_from_hf(hf).fuse(), mode)

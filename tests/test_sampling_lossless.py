@@ -72,6 +72,12 @@ def models():
     and depend on the prefix (seed 3 chosen for a joint entropy of ~6 bits at T = 1 and a support
     of 26 outcomes with the processed setting, neither degenerate).
     """
+    hf, draft_hf = target_and_draft_hf()
+    return hf, ours_from_hf(hf), ours_from_hf(draft_hf)
+
+
+def target_and_draft_hf():
+    """The transformers target of `models` and its perturbed copy (also used by test_quant.py)."""
     hf = build_hf("llama", seed=3, vocab_size=V, num_hidden_layers=2)
     with torch.no_grad():
         hf.model.embed_tokens.weight.mul_(2.0)
@@ -81,7 +87,7 @@ def models():
     with torch.no_grad():
         for p in draft_hf.parameters():
             p.add_(torch.randn(p.shape, generator=g) * p.std() * 0.15)
-    return hf, ours_from_hf(hf), ours_from_hf(draft_hf)
+    return hf, draft_hf
 
 
 _EXACT: dict = {}
