@@ -131,6 +131,37 @@ def test_engine_options_are_shared():
         assert_user_error(rc, err, "argument --threads: must be >= 1, got -1")
 
 
+def test_quant_option_everywhere_and_checked(tmp_path, monkeypatch):
+    from verispec import preflight
+    from verispec.cli import build_parser
+    from verispec.models.quant import QUANT_MODES as MODEL_QUANT_MODES
+    from verispec.options import QUANT_MODES
+
+    assert QUANT_MODES == MODEL_QUANT_MODES == ("none", "int8", "int4")
+    p = build_parser()
+    for cmd, extra in [("generate", ["x"]), ("serve", []), ("profile", []),
+                       ("data", ["--prompts", "x", "--num-samples", "1", "--out", "o"])]:
+        assert p.parse_args([cmd, *extra]).quant == "none", cmd
+        assert p.parse_args([cmd, *extra, "--quant", "int8"]).quant == "int8", cmd
+    assert p.parse_args(["bench", "--quant", "none,int4"]).quant == ["none", "int4"]
+    rc, _, err = run("generate", "x", "--quant", "int3")
+    assert_user_error(rc, err, "argument --quant: invalid choice: 'int3'")
+    # the hint for bf16 on a CPU without bf16 arithmetic, read from the kernel's flags
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n")
+    assert preflight.cpu_has_bf16_arithmetic(str(info)) is False
+    info.write_text("processor : 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert preflight.cpu_has_bf16_arithmetic(str(info)) is True
+    assert preflight.cpu_has_bf16_arithmetic(str(tmp_path / "missing")) is None
+    monkeypatch.setattr(preflight, "cpu_has_bf16_arithmetic", lambda: False)
+    assert "--quant int8" in preflight.precision_hint("bfloat16", "none", "cpu")
+    assert preflight.precision_hint("bfloat16", "int8", "cpu") is None
+    assert preflight.precision_hint("float32", "none", "cpu") is None
+    assert preflight.precision_hint("bfloat16", "none", "cuda") is None
+    monkeypatch.setattr(preflight, "cpu_has_bf16_arithmetic", lambda: True)
+    assert preflight.precision_hint("bfloat16", "none", "cpu") is None
+
+
 def test_option_constants_match_the_engine():
     from verispec.engine import DTYPES
     from verispec.models import DEFAULT_MODEL

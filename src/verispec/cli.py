@@ -151,6 +151,8 @@ def cmd_generate(args) -> int:
     tok = preflight.tokenizer(args.model)
     ids = [list(tok(p).input_ids) for p in prompts]
     preflight.check_prompt_lengths(ids, sp.max_tokens, max_len)
+    if hint := preflight.precision_hint(args.dtype, args.quant, args.device):
+        print(hint, file=sys.stderr)
 
     from .engine import LLM
 

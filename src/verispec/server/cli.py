@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..options import engine_options
 
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     setup_threads(args.threads)
     cfg = preflight.model_config(args.model, args.dtype)
     max_len = preflight.max_model_len(args.max_model_len, cfg, args.model)
+    if hint := preflight.precision_hint(args.dtype, args.quant, args.device):
+        print(hint, file=sys.stderr)
 
     from ..chat import turn_end_ids
     from ..engine import LLM
