@@ -125,6 +125,8 @@ def test_quantized_model_reads_fewer_bytes_and_refuses_to_move():
     assert weight_bytes(q8) < 0.55 * b16 and weight_bytes(q4) < 0.35 * b16
     with pytest.raises(RuntimeError, match="quantized model cannot be moved"):
         q8.to(torch.float32)
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_model(q8, "int4")
     with pytest.raises(ValueError, match="unknown quantization"):
         EngineConfig(quant="int3")
 

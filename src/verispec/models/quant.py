@@ -138,6 +138,8 @@ def quantize_model(model, mode: str, group_size: int = INT4_GROUP):
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANT_MODES)}")
     if mode == "none":
         return model
+    if model.quant != "none":
+        raise ValueError(f"the model is quantized already ({model.quant})")
     if not getattr(model, "_fused", False):
         model.fuse()
     for layer in model.model.layers:
