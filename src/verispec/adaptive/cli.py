@@ -35,7 +35,8 @@ def cmd_profile(args) -> int:
     if args.remeasure and path.exists():
         path.unlink()
     prof = costs.load_or_measure(model, args.max_tokens, args.max_batch_size)
-    print(f"verify cost of {args.model} ({args.dtype}, quant {args.quant}, {threads} threads, context {costs.CONTEXT}); cached in {path}")
+    print(f"verify cost of {args.model} ({args.dtype}, quant {args.quant}, {threads} threads, "
+          f"context {costs.CONTEXT}); cached in {path}")
     print(f"{'tokens':>7} {'ms':>9} {'ms/token':>9} {'tokens/s':>9}")
     for n, s in zip(prof.tokens, prof.seconds):
         print(f"{n:>7} {s * 1e3:>9.2f} {s * 1e3 / n:>9.3f} {n / s:>9.1f}")

@@ -151,6 +151,8 @@ def cmd_bench(args) -> int:
         log(f"{len(prompts)} prompts; loading {args.model} ({args.dtype})")
         targets = {q: load_model(args.model, DTYPES[args.dtype], quant=q) for q in args.quant}
         target = targets[args.quant[0]]
+        if args.quant[0] != "none":
+            notes.append(f"the load sweep and the sampled-output check run on the {args.quant[0]} target.")
         tok = load_tokenizer(args.model)
         model_type = target.config.model_type
         for p in prompts:

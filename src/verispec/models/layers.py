@@ -35,6 +35,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Large inputs (prefill), other devices, and mixed dtypes (a draft head trained under autocast,
     which only `F.linear` casts) take the ordinary path.
 
+    A `PackedWeight` (int8/int4, quant.py) goes to its packed kernel, which computes every row on its
+    own in any mode.
+
     invariant=True takes a path whose result for a row does not depend on how many other rows are
     in the call nor where the row is (checked bit for bit in tests/test_exact_numerics.py): in
     bf16 `weight @ x.T`, a single row padded to two (no extra cost on this CPU: `mv` can round

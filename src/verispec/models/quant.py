@@ -65,8 +65,8 @@ class PackedWeight:
     """A weight [N, K] stored quantized; `mm(x [M, K]) -> [M, N]` in x's dtype.
 
     int8: w = q * scale[n], q in [-127, 127] (symmetric, one scale per output row).
-    int4: w = (q - 8) * scale[n, g] + zero[n, g], q in [0, 15], g = k // INT4_GROUP (asymmetric:
-          zero = min + 8 * scale, so q spans the group's [min, max] in 15 steps).
+    int4: w = (q - 8) * scale[n, g] + zero[n, g], q in [0, 15], g = k // INT4_GROUP (asymmetric;
+          each group's grid fitted by `_fit_int4`).
     """
 
     def __init__(self, weight: torch.Tensor, mode: str, group_size: int = INT4_GROUP):
@@ -98,11 +98,12 @@ class PackedWeight:
         self.dense = None if self.kernel else self.dequantize()
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as the model runs it, [N, K] in the model dtype (exactly the kernel's values)."""
+        """The weight as the model runs it, [N, K] in the model dtype (for tests and reference
+        forwards; a packed int4 weight is read back through its kernel, rounded to the model dtype)."""
         if self.mode == "int8":
             return (self.q.float() * self.scale.float()[:, None]).to(self.dtype)
         N, K = self.shape
-        if getattr(self, "q", None) is None:  # packed away: recover the codes through the kernel
+        if getattr(self, "q", None) is None:  # the codes were packed away: x = I gives W.T
             eye = torch.eye(K, dtype=self.dtype, device=self.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size,
                                                               self.scales_and_zeros).t().contiguous()
@@ -161,9 +162,10 @@ def weight_bytes(model) -> int:
     """Bytes of weights one decode step reads (projections and LM head; not the embedding table)."""
     total = 0
     for layer in model.model.layers:
-        for w in (layer.self_attn.qkv[0], layer.self_attn.out[0] if layer.self_attn.out else layer.self_attn.o_proj.weight,
-                  layer.mlp.gate_up[0], layer.mlp.down[0] if layer.mlp.down else layer.mlp.down_proj.weight):
-            total += w.nbytes
+        attn, mlp = layer.self_attn, layer.mlp
+        out = attn.out[0] if attn.out else attn.o_proj.weight
+        down = mlp.down[0] if mlp.down else mlp.down_proj.weight
+        total += sum(w.nbytes for w in (attn.qkv[0], out, mlp.gate_up[0], down))
     head = getattr(model, "packed_head", None)
     total += head.nbytes if head is not None else model.head_weight().nbytes
     return total
