@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -49,6 +50,8 @@ ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM"
 
 @dataclass
 class Eagle3Config:
+    MODEL_TYPE: ClassVar[str] = "eagle3"  # speculators_model_type (P-EAGLE: "peagle")
+
     hidden_size: int  # = the target's hidden size
     vocab_size: int  # the target's vocabulary
     draft_vocab_size: int
@@ -90,7 +93,7 @@ class Eagle3Config:
     def to_speculators(self, dtype: str = "bfloat16") -> dict:
         return {
             "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
+            "speculators_model_type": self.MODEL_TYPE,
             "speculators_version": "0.9.0",
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": None,
@@ -128,10 +131,16 @@ class Eagle3Config:
             },
         }
 
+    @staticmethod
+    def _extra_from_speculators(d: dict, where: str) -> dict:
+        """The fields a subclass's config.json adds (P-EAGLE: the mask token)."""
+        return {}
+
     @classmethod
     def from_speculators(cls, d: dict, where: str = "config.json") -> "Eagle3Config":
-        if d.get("speculators_model_type") != "eagle3":
-            raise CheckpointError(f"{where}: speculators_model_type is {d.get('speculators_model_type')!r}, not 'eagle3'")
+        if d.get("speculators_model_type") != cls.MODEL_TYPE:
+            raise CheckpointError(f"{where}: speculators_model_type is {d.get('speculators_model_type')!r}, "
+                                  f"not {cls.MODEL_TYPE!r}")
         try:
             tl = d["transformer_layer_config"]
             sc = d.get("speculators_config") or {}
@@ -170,7 +179,7 @@ class Eagle3Config:
                 norm_output=bool(d.get("norm_output", False)), norm_before_fc=bool(d.get("norm_before_fc", False)),
                 norm_before_residual=bool(d.get("norm_before_residual", False)),
                 speculative_tokens=props[0].get("speculative_tokens", 3), verifier=ver.get("name_or_path"),
-                verifier_architectures=list(ver.get("architectures") or []),
+                verifier_architectures=list(ver.get("architectures") or []), **cls._extra_from_speculators(d, where),
             )
         except CheckpointError:
             raise
@@ -272,6 +281,7 @@ class Eagle3Model(DraftHead):
     embedding table (not a parameter, not saved: vLLM and speculators take it from the verifier)."""
 
     FORMAT = "speculators"
+    CONFIG = Eagle3Config
     # speculators may save the verifier's embedding / head / norm; we use the target's
     IGNORED_TENSORS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
@@ -313,11 +323,11 @@ class Eagle3Model(DraftHead):
 
     @classmethod
     def claims(cls, d: dict) -> bool:
-        return d.get("speculators_model_type") == "eagle3"
+        return d.get("speculators_model_type") == cls.CONFIG.MODEL_TYPE
 
     @classmethod
     def config_from_json(cls, d: dict, where: str) -> Eagle3Config:
-        return Eagle3Config.from_speculators(d, where)
+        return cls.CONFIG.from_speculators(d, where)
 
     @classmethod
     def check_target(cls, c: Eagle3Config, target, where: str) -> None:
@@ -413,56 +423,75 @@ class Eagle3Drafter(DrafterBase):
         kvs = [self._kv(l, slots, starts, T) for l in range(len(self.model.layers))]
         return self.model.step(ids, hidden, positions, kvs)
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        drafts = [Draft([]) for _ in seqs]
+    def _ready(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
+        """Indices of the sequences that can draft now: a budget, and the target state of every
+        committed token but the last (which the next verify computes)."""
         idx = []
         for i, (s, k) in enumerate(zip(seqs, ks)):
             if k <= 0:
                 continue
             st = self._state(s)
             n = len(s.tokens) - 1
-            if st.n_obs < n or n < 1 or n + k > self.max_len:  # no target state for the last committed token yet
+            if st.n_obs < n or n < 1 or n + k > self.max_len:
                 continue
             idx.append(i)
-        if not idx:
-            return drafts
-        run = [seqs[i] for i in idx]
+        return idx
+
+    def _catch_up(self, run: list[Sequence], extra: list[int] | None = None, extra_input=None):
+        """One forward over each sequence's rows n_real .. n-1 from the target states (row n-1 is
+        always re-run for its output), followed by `extra[b]` rows of `extra_input` = (token id,
+        hidden [H]) (P-EAGLE's mask rows). Returns (h [B, T, H], logits [B, T, Vd], feeds), where
+        feeds[b] = (a, e): sequence b's real rows a .. e-1 sit at [b, 0 : e - a]."""
         states = [s.drafter_state for s in run]
-        kmax = max(ks[i] for i in idx)
-        # 1. catch up: rows n_real .. n-1 from the target states (always re-run row n-1 for its output)
+        extra = extra or [0] * len(run)
         feeds = []
         for s, st in zip(run, states):
             n = len(s.tokens) - 1
             st.n_real = min(st.n_real, n - 1)
             feeds.append((st.n_real, n))
-        T = max(b - a for a, b in feeds)
+        T = max(e - a + x for (a, e), x in zip(feeds, extra))
         H = self.model.config.hidden_size
         ids = torch.zeros(len(run), T, dtype=torch.long, device=self.device)
         hid = torch.zeros(len(run), T, H, dtype=self.dtype, device=self.device)
         for b, ((a, e), s, st) in enumerate(zip(feeds, run, states)):
             ids[b, : e - a] = torch.tensor(s.tokens[a + 1 : e + 1], device=self.device)
             hid[b, : e - a] = st.fused[a:e]
+            if extra[b]:
+                ids[b, e - a : e - a + extra[b]] = extra_input[0]
+                hid[b, e - a : e - a + extra[b]] = extra_input[1]
         starts = torch.tensor([a for a, _ in feeds], device=self.device)
+        h, logits = self._run(ids, hid, starts, [st.slot for st in states])
+        for (a, e), st in zip(feeds, states):
+            st.n_real = e
+        return h, logits, feeds
+
+    def _full(self, lg: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [n, Vd] -> the target vocabulary [n, V] (-inf outside)."""
+        out = torch.full((lg.shape[0], self.model.config.vocab_size), float("-inf"), device=self.device)
+        out[:, self._d2t] = lg.float()
+        return out
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        idx = self._ready(seqs, ks)
+        if not idx:
+            return drafts
+        run = [seqs[i] for i in idx]
+        states = [s.drafter_state for s in run]
         slots = [st.slot for st in states]
-        h, logits = self._run(ids, hid, starts, slots)
+        # 1. catch up: rows n_real .. n-1 from the target states
+        h, logits, feeds = self._catch_up(run)
         last = torch.tensor([e - a - 1 for a, e in feeds], device=self.device)
         ar = torch.arange(len(run), device=self.device)
         h, logits = h[ar, last], logits[ar, last]  # [B, H], [B, Vd]
-        for (a, e), st in zip(feeds, states):
-            st.n_real = e
         # 2. chains or trees (expand.py decides which nodes run); node i of sequence b runs in
         # scratch row e_b + (its run index), at position e_b + depth, reading its parent's state
-        V = self.model.config.vocab_size
         ends = [e for _, e in feeds]
         hid = {(b, -1): h[b] for b in range(len(run))}
         row_of: dict[tuple[int, int], int] = {}
         used = [0] * len(run)
-
-        def full(lg):  # draft-vocabulary logits [n, Vd] -> target vocabulary [n, V]
-            out = torch.full((lg.shape[0], V), float("-inf"), device=self.device)
-            out[:, self._d2t] = lg.float()
-            return out
+        full = self._full
 
         def step(run_nodes, nodes):
             live = [b for b, r in enumerate(run_nodes) if r]
@@ -530,11 +559,21 @@ def make_eagle3_drafter(path: str, target, max_batch: int, max_len: int, dtype: 
     return Eagle3Drafter(model, target, max_batch, max_len, name=f"eagle3:{path}")
 
 
-def vllm_command(path: str, num_tokens: int | None = None) -> str:
-    c = Eagle3Config.from_speculators(json.loads((Path(path) / "config.json").read_text()))
+def vllm_command(path: str, num_tokens: int | None = None, parallel: bool = False) -> str:
+    """The `vllm serve` line for an EAGLE-3 (or, with `parallel`, a P-EAGLE) checkpoint folder."""
+    d = json.loads((Path(path) / "config.json").read_text())
+    c = (Eagle3Config if not parallel else _peagle_config()).from_speculators(d)
     spec = {"method": "eagle3", "model": str(Path(path).resolve()), "num_speculative_tokens": num_tokens or c.speculative_tokens}
+    if parallel:
+        spec["parallel_drafting"] = True
     target = c.verifier or "<target model>"
     return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+
+
+def _peagle_config():
+    from .peagle import PEagleConfig
+
+    return PEagleConfig
 
 
 __all__ = ["Eagle3Config", "Eagle3Model", "Eagle3Drafter", "CheckpointError", "build_vocab_mapping", "load_eagle3",

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a drafter (EAGLE-3 or MTP) on `verispec data` output; resumes after a kill")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "mtp"],
-                   help="eagle3 (speculators format, vLLM-servable) or mtp (DeepSeek-style MTP head, verispec format)")
+    p = sub.add_parser("train", help="train a drafter (EAGLE-3, P-EAGLE or MTP) on `verispec data` output; resumes after a kill")
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "peagle", "mtp"],
+                   help="eagle3 (speculators format, vLLM-servable), peagle (P-EAGLE: all K drafts in one forward, "
+                   "speculators format) or mtp (DeepSeek-style MTP head, verispec format)")
     p.add_argument("--data", required=True, help="folder written by `verispec data`")
     p.add_argument("--out", required=True, help="output folder: the speculators checkpoint + checkpoint/ for resuming")
     p.add_argument("--model", default=None, help="the target (default: the one recorded in the data)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
-    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll steps (default 3)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="training-time-test unroll steps (P-EAGLE: parallel depths, the K it drafts) (default 3)")
     p.add_argument("--step-loss-decay", type=float, default=0.8)
     p.add_argument("--loss", choices=["kl", "ce"], default="kl")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -91,19 +93,23 @@ def cmd_export(args) -> int:
 
     from ..errors import UserError
     from ..drafters.eagle3 import CheckpointError, load_eagle3, vllm_command
+    from ..drafters.peagle import is_peagle_dir, load_peagle
 
+    peagle = is_peagle_dir(args.vllm)
     try:
         target = None
         if args.model:
             from ..models import load_model
 
             target = load_model(args.model)
-        m = load_eagle3(args.vllm, target)
+        m = (load_peagle if peagle else load_eagle3)(args.vllm, target)
     except CheckpointError as e:
         raise UserError(str(e)) from e
     k = args.num_speculative_tokens or m.config.speculative_tokens
-    print(vllm_command(args.vllm, k))
     spec = {"method": "eagle3", "model": args.vllm, "num_speculative_tokens": k}
+    if peagle:  # vLLM serves P-EAGLE as eagle3 with parallel drafting
+        spec["parallel_drafting"] = True
+    print(vllm_command(args.vllm, k, parallel=peagle))
     print(f"# the same as JSON for --speculative-config (vllm serve <target> or LLM(speculative_config=...)): "
           f"'{json.dumps(spec)}'")
     print(f"# or: vllm serve {args.vllm}   (vLLM reads the verifier from speculators_config)")
@@ -126,6 +132,9 @@ def add_data_parser(sub) -> None:
     p.add_argument("--shard-size", type=int_range(1), default=64, help="samples per shard")
     p.add_argument("--no-hidden", action="store_true", help="store token ids only (online training recomputes states)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="keep the last N tokens of longer prompts")
+    p.add_argument("--speculate", action="store_true",
+                   help="decode with n-gram speculation (pays at small --batch-size; at 32+ streams on a CPU plain "
+                   "batched decoding is faster, so the default is off)")
     p.set_defaults(run=cmd_data)
 
 
@@ -173,7 +182,9 @@ def cmd_data(args) -> int:
         index = build_dataset(target, ids, args.out, layers, max_tokens=args.max_tokens, temperature=args.temperature,
                               seed=args.seed, batch_size=args.batch_size, shard_size=args.shard_size,
                               no_hidden=args.no_hidden, stop_token_ids=tuple(stop), max_model_len=max_len,
-                              meta={"model": args.model, "quant": args.quant, "prompts_source": args.prompts}, progress=True)
+                              drafter="ngram" if args.speculate else None,
+                              meta={"model": args.model, "quant": args.quant, "target_dtype": args.dtype,
+                                    "prompts_source": args.prompts}, progress=True)
     except (DataError, ModelLoadError) as e:
         raise UserError(str(e)) from e
     print(f"done: {index['samples']} samples, {index['tokens']} tokens in {len(index['shards'])} shards -> {args.out}")

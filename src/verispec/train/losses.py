@@ -40,6 +40,7 @@ def eagle3_loss(
     decay: float = 1.0,
     kind: str = "kl",
     reduce=None,  # sums a tensor over data-parallel ranks (None: single process)
+    rows: list[torch.Tensor] | None = None,  # per step the anchor rows its logits cover (P-EAGLE's COD)
 ) -> tuple[torch.Tensor, dict]:
     ids, mask, valid = batch["ids"], batch["mask"], batch["valid"]
     T = ids.shape[1]
@@ -51,17 +52,19 @@ def eagle3_loss(
             logp = tl.log_softmax(-1)
     total = torch.zeros((), device=ids.device)
     metrics = {}
-    prev_ok = None
+    prev_ok = torch.ones(ids.shape[0], max(T - 1, 0), dtype=torch.bool, device=ids.device)  # [B, anchors]
     for s, logits in enumerate(step_logits):
         n = T - 2 - s
         if n <= 0:
             break
-        lg = logits[:, :n].float()  # anchors 0..n-1
-        tgt_tok = ids[:, 2 + s : 2 + s + n]
-        m = ok[:, 2 + s : 2 + s + n]
+        r = torch.arange(n, device=ids.device) if rows is None else rows[s].to(ids.device)
+        sel = r < n  # anchors whose token x_{i+2+s} exists
+        r, lg = r[sel], logits[:, : len(sel)][:, sel].float()  # [A], [B, A, Vd]
+        tgt_tok = ids[:, 2 + s + r]
+        m = ok[:, 2 + s + r]
         logq = lg.log_softmax(-1)
         if kind == "kl":
-            lp = logp[:, s : s + n]
+            lp = logp[:, s + r]
             per = (lp.exp() * (lp - logq)).sum(-1)
         elif kind == "ce":
             d = t2d_ids[tgt_tok]
@@ -77,11 +80,12 @@ def eagle3_loss(
             # acceptance at the anchors the engine drafts from: x_{i+1} is a response token (the
             # first response token comes from the prefill, never from a draft); a data token
             # outside the draft vocabulary counts as a miss, as it does in the engine
-            ma = ok[:, 2 + s : 2 + s + n] & ok[:, 1 : 1 + n]
+            ma = ok[:, 2 + s + r] & ok[:, 1 + r]
             pred = d2t_ids[lg.argmax(-1)]
             correct = (pred == tgt_tok) & ma
-            all_ok = correct if prev_ok is None else (correct & prev_ok[:, :n])
-            prev_ok = all_ok
+            all_ok = correct & prev_ok[:, r]  # with COD, r is a subset of the last step's anchors
+            prev_ok = torch.zeros_like(prev_ok)
+            prev_ok[:, r] = all_ok
             metrics[f"loss_{s}"] = (num.detach(), cnt)
             metrics[f"acc_{s}"] = (correct.sum().float(), ma.sum().float())
             metrics[f"acc_all_{s}"] = (all_ok.sum().float(), ma.sum().float())

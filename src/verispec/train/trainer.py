@@ -1,7 +1,9 @@
-"""One training loop for the EAGLE-3 drafter (drafters/eagle3.py: the module that also serves).
+"""One training loop for the EAGLE-3, P-EAGLE and MTP drafters (drafters/eagle3.py, peagle.py, mtp.py:
+the modules that also serve).
 
 - data: `verispec data` folders (stored hidden states, or token ids with the target run in the loop);
 - training-time test unrolling (`ttt_steps`, loss decay per step), forward KL or CE (losses.py);
+  P-EAGLE runs its `ttt_steps` depths in one forward, on COD-sampled anchors (peagle.py);
 - AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast (CPU and CUDA);
 - a checkpoint every `save_every` steps (model, optimizer, scheduler, RNG states, data position =
   the global step), written so that a kill at any point of the save leaves one to resume from; a
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..drafters.eagle3 import Eagle3Config, Eagle3Model, build_vocab_mapping
+from ..drafters.peagle import cod_rows
 from .dataset import HiddenStateData, collate, global_batch, online_states
 from .losses import eagle3_loss, summarize
 
@@ -37,7 +40,7 @@ class TrainConfig:
     data: str
     out: str
     model: str | None = None  # the target (default: the model recorded in the data index)
-    method: str = "eagle3"  # eagle3 | mtp
+    method: str = "eagle3"  # eagle3 | peagle | mtp
     draft_vocab_size: int = 8192
     ttt_steps: int = 3
     step_loss_decay: float = 0.8
@@ -110,12 +113,21 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
     kw = {}
     if cfg.intermediate_size:
         kw["intermediate_size"] = cfg.intermediate_size
-    if cfg.method not in ("eagle3", "mtp"):
-        raise ValueError(f"unknown method {cfg.method!r} (eagle3 or mtp)")
+    if cfg.method not in METHODS:
+        raise ValueError(f"unknown method {cfg.method!r} ({', '.join(METHODS)})")
     mtp = cfg.method == "mtp"
-    c = Eagle3Config.for_target(target, draft_vocab_size=vd, aux_layers=[-1] if mtp else data.layers,
-                                fc_norm=cfg.fc_norm and not mtp, norm_output=cfg.norm_output and not mtp,
-                                num_layers=cfg.num_layers, speculative_tokens=cfg.ttt_steps, **kw)
+    if cfg.method == "peagle":
+        from ..drafters.peagle import PEagleConfig, PEagleModel
+
+        # the mask token: the target's padding token (never in a response), else id 0
+        pad = target.config.pad_token_id
+        kw["mask_token_id"] = pad if pad is not None and 0 <= pad < V else 0
+        config_cls, model_cls = PEagleConfig, PEagleModel
+    else:
+        config_cls, model_cls = Eagle3Config, Eagle3Model
+    c = config_cls.for_target(target, draft_vocab_size=vd, aux_layers=[-1] if mtp else data.layers,
+                              fc_norm=cfg.fc_norm and not mtp, norm_output=cfg.norm_output and not mtp,
+                              num_layers=cfg.num_layers, speculative_tokens=cfg.ttt_steps, **kw)
     name = data.index.get("model") or cfg.model
     c.verifier = HF_IDS.get(name, name)  # what vLLM loads as the verifier
     torch.manual_seed(cfg.seed)
@@ -124,7 +136,7 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
 
         model = MTPModel(c, embed_weight=target.model.embed_tokens.weight)
     else:
-        model = Eagle3Model(c, embed_weight=target.model.embed_tokens.weight)
+        model = model_cls(c, embed_weight=target.model.embed_tokens.weight)
     if model.use_draft_vocab:
         counts = data.token_counts if data.token_counts is not None else torch.zeros(V)
         model.set_vocab_mapping(*build_vocab_mapping(counts.double(), vd))
@@ -134,6 +146,9 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
         # Gemma 3 270M: confident wrong drafts, KL ~400 at step 1 against ~20)
     model.lm_head.weight.requires_grad_(cfg.train_lm_head and not mtp)  # MTP: the target's shared head
     return model
+
+
+METHODS = ("eagle3", "peagle", "mtp")
 
 
 def _inputs(model, batch: dict) -> torch.Tensor:
@@ -378,9 +393,14 @@ def train(cfg: TrainConfig, target=None) -> dict:
         if "aux" not in batch:
             batch = online_states(target, batch, data.layers)
         model.train()
+        kw = {}
+        if cfg.method == "peagle":  # COD: each depth on a random subset of the anchors of the one before
+            c = model.config
+            kw["rows"] = cod_rows(batch["ids"].shape[1] - 1, cfg.ttt_steps, c.cod_ratio, c.cod_ratio_min)
         with _autocast(cfg.bf16, target.device):
-            outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps)
-            loss, m = eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce)
+            outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps, **kw)
+            loss, m = eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce,
+                                  rows=kw.get("rows"))
         (loss * dist.world).backward()  # DDP averages gradients over ranks; the loss is already global
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else None
         opt.step()
