@@ -55,6 +55,9 @@ class DraftHead(nn.Module):
     FORMAT = "drafter"  # the checkpoint dialect, for messages
     # names of tensors a checkpoint may carry that this head does not use (dropped on load)
     IGNORED_TENSORS: tuple[str, ...] = ()
+    # tensors a checkpoint may leave out because they are the target's (filled in when loading
+    # with a target): name -> function(model, target) -> tensor
+    FROM_TARGET: dict = {}
 
     def __init__(self, c, embed_weight: torch.Tensor | None, inputs: dict[str, nn.Module],
                  first_layer: nn.Module | None = None):
@@ -62,7 +65,7 @@ class DraftHead(nn.Module):
         self.config = c
         for name, module in inputs.items():
             setattr(self, name, module)
-        lc = layer_config(c)
+        lc = self.layer_config(c)
         first = [first_layer] if first_layer is not None else []
         self.layers = nn.ModuleList(first + [DecoderLayer(lc) for _ in range(c.num_layers - len(first))])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -77,6 +80,11 @@ class DraftHead(nn.Module):
         self._inv_freq = lc.rope["full_attention"][0]
 
     # ---- pieces ----------------------------------------------------------------------------------
+    @staticmethod
+    def layer_config(c) -> ModelConfig:
+        """The draft layers' configuration (Llama layers; DFlash: Qwen3 layers with q/k norms)."""
+        return layer_config(c)
+
     def set_embedding(self, weight: torch.Tensor | None) -> None:
         """Attach the target's embedding table [V, H]: a detached view (not a parameter, never saved)."""
         self.__dict__["embed_weight"] = None if weight is None else weight.detach()
@@ -243,6 +251,14 @@ class DraftHead(nn.Module):
         want = model.state_dict()
         for k in cls.IGNORED_TENSORS:
             sd.pop(k, None)
+        if target is not None:
+            for k, fill in cls.FROM_TARGET.items():
+                if k in want and k not in sd:
+                    if model.use_draft_vocab:  # the rows of the draft vocabulary need the mapping first
+                        for b in ("d2t", "t2d"):
+                            if b in sd:
+                                getattr(model, b).copy_(sd[b])
+                    sd[k] = fill(model, target).detach().float()
         missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
         if missing:
             raise CheckpointError(f"{w_file}: tensor(s) missing: {', '.join(missing[:6])}")

@@ -19,6 +19,8 @@ response token); train/consistency.py measures the same numbers through the engi
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -101,3 +103,84 @@ def summarize(metrics: dict, reduce=None) -> dict:
             t = reduce(t)
         out[k] = float(t[0] / t[1]) if t[1] > 0 else 0.0
     return out
+
+
+def block_loss(
+    logits: torch.Tensor,  # [B, A, S, Vd] block drafter (DFlash): slot k of anchor a drafts x_{a+k}
+    anchors: torch.Tensor,  # [B, A] anchor positions
+    anchor_ok: torch.Tensor,  # [B, A] bool: a real anchor (padding anchors carry no loss)
+    batch: dict,
+    head_rows: torch.Tensor,
+    softcap: float | None,
+    d2t_ids: torch.Tensor,
+    t2d_ids: torch.Tensor,
+    gamma: float = 4.0,
+    kind: str = "kl",
+    reduce=None,
+) -> tuple[torch.Tensor, dict]:
+    """DFlash's loss: slot k (1..S-1) against the target's distribution after x_{a+k-1} (KL) or the
+    data token x_{a+k} (CE), weighted exp(-(k-1)/gamma) (DFlash's position decay, the first drafted
+    slot weighing 1). Metrics as `eagle3_loss`, position s = slot s + 1: `acc_s` and `acc_all_s`
+    over anchors whose token x_a is a response token (the engine drafts from those)."""
+    ids, ok = batch["ids"], batch["mask"] & batch["valid"]
+    B, T = ids.shape
+    S = logits.shape[2]
+    total = torch.zeros((), device=ids.device)
+    metrics = {}
+    prev_ok = None
+    gather = lambda t, idx: t.gather(1, idx.clamp(0, T - 1))  # noqa: E731  [B, A] rows of t at idx
+    for k in range(1, S):
+        s = k - 1
+        tok_pos = anchors + k  # [B, A]
+        inside = tok_pos < T
+        tgt_tok = gather(ids, tok_pos)
+        m = anchor_ok & inside & gather(ok, tok_pos)
+        lg = logits[:, :, k].float()
+        logq = lg.log_softmax(-1)
+        if kind == "kl":
+            with torch.no_grad():
+                last = batch["last"].gather(1, (tok_pos - 1).clamp(0, T - 1)[..., None].expand(-1, -1, batch["last"].shape[-1]))
+                lp = target_logits(last, head_rows, softcap).log_softmax(-1)
+            per = (lp.exp() * (lp - logq)).sum(-1)
+        elif kind == "ce":
+            d = t2d_ids[tgt_tok]
+            m = m & (d >= 0)
+            per = -logq.gather(-1, d.clamp_min(0)[..., None])[..., 0]
+        else:
+            raise ValueError(f"unknown loss {kind!r} (kl or ce)")
+        cnt = m.sum().float()
+        num = (per * m).sum()
+        den = reduce(cnt.detach().clone()) if reduce else cnt
+        total = total + math.exp(-(k - 1) / gamma) * num / den.clamp_min(1.0)
+        with torch.no_grad():
+            ma = anchor_ok & inside & gather(ok, tok_pos) & gather(ok, anchors)
+            correct = (d2t_ids[lg.argmax(-1)] == tgt_tok) & ma
+            all_ok = correct if prev_ok is None else correct & prev_ok
+            prev_ok = all_ok
+            metrics[f"loss_{s}"] = (num.detach(), cnt)
+            metrics[f"acc_{s}"] = (correct.sum().float(), ma.sum().float())
+            metrics[f"acc_all_{s}"] = (all_ok.sum().float(), ma.sum().float())
+    return total, metrics
+
+
+def sample_anchors(batch: dict, count: int | None, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchor positions for a block drafter: a >= 1 with x_a and x_{a+1} response tokens (the engine
+    drafts from response tokens only). `count` random ones per sample (sorted), or all of them
+    (count None, for evaluation). Returns (anchors [B, A], anchor_ok [B, A]); padding anchors are 1."""
+    ok = batch["mask"] & batch["valid"]
+    B, T = ok.shape
+    cand = torch.zeros_like(ok)
+    cand[:, 1 : T - 1] = ok[:, 1 : T - 1] & ok[:, 2:]
+    rows = []
+    for b in range(B):
+        c = cand[b].nonzero()[:, 0]
+        if count is not None and len(c) > count:
+            c = c[torch.randperm(len(c), generator=generator)[:count].sort().values]
+        rows.append(c)
+    A = max(1, max(len(r) for r in rows))
+    anchors = torch.ones(B, A, dtype=torch.long, device=ok.device)
+    anchor_ok = torch.zeros(B, A, dtype=torch.bool, device=ok.device)
+    for b, r in enumerate(rows):
+        anchors[b, : len(r)] = r
+        anchor_ok[b, : len(r)] = True
+    return anchors, anchor_ok

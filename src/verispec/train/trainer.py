@@ -32,7 +32,7 @@ import torch
 from ..drafters.eagle3 import Eagle3Config, Eagle3Model, build_vocab_mapping
 from ..drafters.peagle import cod_rows
 from .dataset import HiddenStateData, collate, global_batch, online_states
-from .losses import eagle3_loss, summarize
+from .losses import block_loss, eagle3_loss, sample_anchors, summarize
 
 
 @dataclass
@@ -40,7 +40,7 @@ class TrainConfig:
     data: str
     out: str
     model: str | None = None  # the target (default: the model recorded in the data index)
-    method: str = "eagle3"  # eagle3 | peagle | mtp
+    method: str = "eagle3"  # eagle3 | peagle | dflash | mtp
     draft_vocab_size: int = 8192
     ttt_steps: int = 3
     step_loss_decay: float = 0.8
@@ -64,6 +64,7 @@ class TrainConfig:
     num_layers: int = 1
     intermediate_size: int | None = None
     train_lm_head: bool = False
+    anchors: int = 64  # DFlash: random anchor blocks per sample and step (block size = ttt_steps + 1)
     export_dtype: str = "bfloat16"
     progress: bool = True
     stop_after: int | None = None  # leave after this many steps of this run (as if killed after a checkpoint)
@@ -116,12 +117,29 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
     if cfg.method not in METHODS:
         raise ValueError(f"unknown method {cfg.method!r} ({', '.join(METHODS)})")
     mtp = cfg.method == "mtp"
+    # the mask token of the parallel drafters: the target's padding token (never in a response), else 0
+    pad = target.config.pad_token_id
+    mask_token = pad if pad is not None and 0 <= pad < V else 0
+    if cfg.method == "dflash":
+        from ..drafters.dflash import DFlashConfig, DFlashModel
+
+        c = DFlashConfig.for_target(target, draft_vocab_size=vd, aux_layers=data.layers, num_layers=cfg.num_layers,
+                                    block_size=cfg.ttt_steps + 1, mask_token_id=mask_token, **kw)
+        name = data.index.get("model") or cfg.model
+        c.verifier = HF_IDS.get(name, name)
+        torch.manual_seed(cfg.seed)
+        model = DFlashModel(c, embed_weight=target.model.embed_tokens.weight)
+        if model.use_draft_vocab:
+            counts = data.token_counts if data.token_counts is not None else torch.zeros(V)
+            model.set_vocab_mapping(*build_vocab_mapping(counts.double(), vd))
+        with torch.no_grad():
+            model.lm_head.weight.copy_(target.head_weight()[model.draft_to_target()].float())
+        model.lm_head.weight.requires_grad_(cfg.train_lm_head)
+        return model
     if cfg.method == "peagle":
         from ..drafters.peagle import PEagleConfig, PEagleModel
 
-        # the mask token: the target's padding token (never in a response), else id 0
-        pad = target.config.pad_token_id
-        kw["mask_token_id"] = pad if pad is not None and 0 <= pad < V else 0
+        kw["mask_token_id"] = mask_token
         config_cls, model_cls = PEagleConfig, PEagleModel
     else:
         config_cls, model_cls = Eagle3Config, Eagle3Model
@@ -148,7 +166,28 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
     return model
 
 
-METHODS = ("eagle3", "peagle", "mtp")
+METHODS = ("eagle3", "peagle", "dflash", "mtp")
+
+
+def forward_loss(model, net, batch: dict, cfg: TrainConfig, head, cap, d2t, t2d, reduce=None, evaluation=False):
+    """The drafter's outputs on a batch and their loss and metrics (losses.py), for each method:
+    EAGLE-3 / MTP unroll `ttt_steps` steps; P-EAGLE runs its depths at once (COD-sampled anchors in
+    training); DFlash runs blocks from random anchors (every anchor in evaluation)."""
+    if cfg.method == "dflash":
+        anchors, ok = sample_anchors(batch, None if evaluation else cfg.anchors)
+        if evaluation:  # every anchor, a chunk at a time (the block attention is [A*S, T + A*S])
+            outs = [net(_inputs(model, batch), batch["ids"], batch["valid"], anchors[:, i : i + 64])
+                    for i in range(0, anchors.shape[1], 64)]
+            logits = torch.cat(outs, 1)
+        else:
+            logits = net(_inputs(model, batch), batch["ids"], batch["valid"], anchors)
+        return block_loss(logits, anchors, ok, batch, head, cap, d2t, t2d, kind=cfg.loss, reduce=reduce)
+    kw = {}
+    if cfg.method == "peagle" and not evaluation:  # COD: each depth on a random subset of the anchors before
+        c = model.config
+        kw["rows"] = cod_rows(batch["ids"].shape[1] - 1, cfg.ttt_steps, c.cod_ratio, c.cod_ratio_min)
+    outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps, **kw)
+    return eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce, rows=kw.get("rows"))
 
 
 def _inputs(model, batch: dict) -> torch.Tensor:
@@ -174,7 +213,7 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
 RESUME_FIELDS = ("data", "method", "draft_vocab_size", "ttt_steps", "step_loss_decay", "loss", "lr", "weight_decay",
                  "warmup_ratio", "min_lr_ratio", "grad_clip", "batch_size", "epochs", "steps", "max_len",
                  "val_fraction", "seed", "bf16", "fc_norm", "norm_output", "num_layers", "intermediate_size",
-                 "train_lm_head")
+                 "train_lm_head", "anchors")
 STATE = "state.pt"
 
 
@@ -315,8 +354,7 @@ def evaluate(model: Eagle3Model, target, data: HiddenStateData, idx: list[int], 
             if "aux" not in b:
                 b = online_states(target, b, data.layers)
             with _autocast(cfg.bf16, target.device):
-                outs = model(_inputs(model, b), b["ids"], b["valid"], steps=cfg.ttt_steps)
-                _, m = eagle3_loss(outs, b, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss)
+                _, m = forward_loss(model, model, b, cfg, head, cap, d2t, t2d, evaluation=True)
             for k, (a, n) in m.items():
                 s0, n0 = acc.get(k, (0.0, 0.0))
                 acc[k] = (s0 + a, n0 + n)
@@ -393,14 +431,8 @@ def train(cfg: TrainConfig, target=None) -> dict:
         if "aux" not in batch:
             batch = online_states(target, batch, data.layers)
         model.train()
-        kw = {}
-        if cfg.method == "peagle":  # COD: each depth on a random subset of the anchors of the one before
-            c = model.config
-            kw["rows"] = cod_rows(batch["ids"].shape[1] - 1, cfg.ttt_steps, c.cod_ratio, c.cod_ratio_min)
         with _autocast(cfg.bf16, target.device):
-            outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps, **kw)
-            loss, m = eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce,
-                                  rows=kw.get("rows"))
+            loss, m = forward_loss(model, net, batch, cfg, head, cap, d2t, t2d, reduce)
         (loss * dist.world).backward()  # DDP averages gradients over ranks; the loss is already global
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else None
         opt.step()
