@@ -4,7 +4,7 @@ Importing this package registers them all."""
 from __future__ import annotations
 
 from .base import CHAIN, Draft, Drafter, DrafterBase, DrafterContext, TreeShape, drafter_help, make_drafter, register
-from . import ngram, model_drafter, eagle3, mtp, peagle, dflash, hybrid  # noqa: F401,E402  (each registers its kinds)
+from . import ngram, model_drafter, eagle3, mtp, peagle, dflash, dspark, hybrid  # noqa: F401,E402  (each registers its kinds)
 from .model_drafter import ModelDrafter
 from .ngram import NgramDrafter
 

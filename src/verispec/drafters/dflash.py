@@ -24,7 +24,6 @@ verify exactly as for every other drafter (docs/ARCHITECTURE.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,17 +208,21 @@ class DFlashModel(DraftHead):
         return ids
 
     def run_block(self, block_ids: torch.Tensor, positions: torch.Tensor, kvs, dtype) -> torch.Tensor:
-        """block_ids [B, Q], positions [B, Q]; kvs[l](k, v) -> (K, V, mask). Returns fp32 logits [B, Q, Vd]."""
+        """block_ids [B, Q], positions [B, Q]; kvs[l](k, v) -> (K, V, mask). Returns the post-norm
+        states [B, Q, H] (logits: `head_logits`)."""
         x = self.embed(block_ids).to(dtype)
-        y = self.run_layers(x, positions, kvs, dtype)
-        return self.head_logits(self.norm(y))
+        return self.norm(self.run_layers(x, positions, kvs, dtype))
 
     # ---- training: random anchor blocks ---------------------------------------------------------------
     def forward(self, aux: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """aux [B, T, n*H] target states of tokens x_0..x_{T-1}, ids [B, T], valid [B, T] bool, anchors
         [B, A] anchor positions (each >= 1). Returns logits [B, A, S, Vd]: block slot k of anchor a
-        drafts x_{a+k} (slot 0, the anchor itself, is not a prediction). Block rows see the context
-        features of x_0 .. x_{a-1} (valid ones) and their whole block: what serving computes."""
+        drafts x_{a+k} (slot 0, the anchor itself, is not a prediction)."""
+        return self.head_logits(self.block_states(aux, ids, valid, anchors))
+
+    def block_states(self, aux, ids, valid, anchors) -> torch.Tensor:
+        """`forward`'s blocks as post-norm states [B, A, S, H]. Block rows see the context features of
+        x_0 .. x_{a-1} (valid ones) and their whole block: what serving computes."""
         B, T = ids.shape
         A, S = anchors.shape[1], self.config.block_size
         dev = ids.device
@@ -240,9 +243,9 @@ class DFlashModel(DraftHead):
                 return torch.cat([ck.to(k.dtype), k], 2), torch.cat([cv.to(v.dtype), v], 2), mask
             return kv
 
-        logits = self.run_block(block.reshape(B, A * S), pos.reshape(B, A * S),
-                                [make_kv(l) for l in range(len(self.layers))], dtype)
-        return logits.reshape(B, A, S, -1)
+        h = self.run_block(block.reshape(B, A * S), pos.reshape(B, A * S),
+                           [make_kv(l) for l in range(len(self.layers))], dtype)
+        return h.reshape(B, A, S, -1)
 
     # ---- checkpoint (speculators format) ----------------------------------------------------------
     def config_json(self, dtype_name: str) -> dict:
@@ -327,9 +330,13 @@ class DFlashDrafter(DrafterBase):
         return out
 
     def block_logits(self, slots: list[int], anchors: list[int], anchor_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [B, S, Vd] of `block_states`."""
+        return self.model.head_logits(self.block_states(slots, anchors, anchor_ids))
+
+    def block_states(self, slots: list[int], anchors: list[int], anchor_ids: list[int]) -> torch.Tensor:
         """One forward for a batch of blocks: sequence b's anchor token anchor_ids[b] at position
-        anchors[b] (its context: cache rows 0 .. anchors[b] - 1 of slot slots[b]). Returns fp32
-        logits [B, S, Vd]."""
+        anchors[b] (its context: cache rows 0 .. anchors[b] - 1 of slot slots[b]). Returns the
+        post-norm states [B, S, H]."""
         S = self.model.config.block_size
         dev = self.device
         anchors_t = torch.tensor(anchors, device=dev)  # [B]
@@ -404,11 +411,5 @@ def _make(arg: str, ctx) -> DFlashDrafter:
         raise ValueError(str(e)) from e
 
 
-def vllm_spec(path: str, num_tokens: int | None = None) -> dict:
-    c = DFlashConfig.from_speculators(json.loads((Path(path) / "config.json").read_text()))
-    return {"method": "dflash", "model": str(Path(path).resolve()),
-            "num_speculative_tokens": min(num_tokens or c.speculative_tokens, c.speculative_tokens)}
-
-
 __all__ = ["DFlashConfig", "DFlashModel", "DFlashDrafter", "default_dflash_layers", "load_dflash", "is_dflash_dir",
-           "make_dflash_drafter", "vllm_spec"]
+           "make_dflash_drafter"]

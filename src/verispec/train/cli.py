@@ -7,18 +7,20 @@ from __future__ import annotations
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a drafter (EAGLE-3, P-EAGLE, DFlash or MTP) on `verispec data` output; "
                        "resumes after a kill")
-    p.add_argument("--method", default="eagle3", choices=["eagle3", "peagle", "dflash", "mtp"],
+    p.add_argument("--method", default="eagle3", choices=["eagle3", "peagle", "dflash", "dspark", "mtp"],
                    help="eagle3 (speculators format, vLLM-servable), peagle (P-EAGLE: all K drafts in one forward), "
-                   "dflash (block drafter with the target's features as keys and values; speculators format) "
-                   "or mtp (DeepSeek-style MTP head, verispec format)")
+                   "dflash (block drafter with the target's features as keys and values), dspark (DFlash backbone + "
+                   "Markov head + calibrated confidence head), all in the speculators format; or mtp (DeepSeek-style "
+                   "MTP head, verispec format)")
     p.add_argument("--data", required=True, help="folder written by `verispec data`")
     p.add_argument("--out", required=True, help="output folder: the speculators checkpoint + checkpoint/ for resuming")
     p.add_argument("--model", default=None, help="the target (default: the one recorded in the data)")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3,
-                   help="training-time-test unroll steps (P-EAGLE: parallel depths; DFlash: block size - 1; "
-                   "the K it drafts) (default 3)")
-    p.add_argument("--anchors", type=int, default=64, help="DFlash: random anchor blocks per sample and step")
+                   help="training-time-test unroll steps (P-EAGLE: parallel depths; DFlash: block size - 1; DSpark: "
+                   "block size; the K it drafts) (default 3)")
+    p.add_argument("--anchors", type=int, default=64, help="DFlash / DSpark: random anchor blocks per sample and step")
+    p.add_argument("--markov-rank", type=int, default=256, help="DSpark: rank of the Markov head W1 W2")
     p.add_argument("--step-loss-decay", type=float, default=0.8)
     p.add_argument("--loss", choices=["kl", "ce"], default="kl")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -64,7 +66,7 @@ def cmd_train(args) -> int:
     from .trainer import TrainConfig, train
 
     setup_threads(args.threads)
-    for name in ("draft_vocab_size", "ttt_steps", "batch_size", "save_every", "num_layers", "anchors"):
+    for name in ("draft_vocab_size", "ttt_steps", "batch_size", "save_every", "num_layers", "anchors", "markov_rank"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     cfg = TrainConfig(
@@ -74,7 +76,8 @@ def cmd_train(args) -> int:
         steps=args.steps, max_len=args.max_len, val_fraction=args.val_fraction, seed=args.seed,
         save_every=args.save_every, eval_every=args.eval_every, bf16=not args.no_bf16, fc_norm=args.fc_norm,
         norm_output=args.norm_output, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
-        train_lm_head=args.train_lm_head, anchors=args.anchors, export_dtype=args.export_dtype,
+        train_lm_head=args.train_lm_head, anchors=args.anchors, markov_rank=args.markov_rank,
+        export_dtype=args.export_dtype,
         progress=not args.no_progress,
         stop_after=args.stop_after,
     )
@@ -98,21 +101,23 @@ def cmd_export(args) -> int:
 
     from ..errors import UserError
     from ..drafters.eagle3 import CheckpointError, load_eagle3, vllm_command
-    from ..drafters import dflash
+    from ..drafters import dflash, dspark
     from ..drafters.peagle import is_peagle_dir, load_peagle
 
-    if dflash.is_dflash_dir(args.vllm):
+    for kind, module, load in (("dflash", dflash, dflash.load_dflash), ("dspark", dspark, dspark.load_dspark)):
+        if not getattr(module, f"is_{kind}_dir")(args.vllm):
+            continue
         try:
             target = None
             if args.model:
                 from ..models import load_model
 
                 target = load_model(args.model)
-            m = dflash.load_dflash(args.vllm, target)
+            m = load(args.vllm, target)
         except CheckpointError as e:
             raise UserError(str(e)) from e
-        spec = dflash.vllm_spec(args.vllm, args.num_speculative_tokens)
-        spec["model"] = args.vllm
+        k = min(args.num_speculative_tokens or m.config.speculative_tokens, m.config.speculative_tokens)
+        spec = {"method": kind, "model": args.vllm, "num_speculative_tokens": k}
         print(f"vllm serve {m.config.verifier or '<target model>'} --speculative-config '{json.dumps(spec)}'")
         print(f"# the same as JSON for --speculative-config: '{json.dumps(spec)}'")
         return 0

@@ -106,7 +106,7 @@ def summarize(metrics: dict, reduce=None) -> dict:
 
 
 def block_loss(
-    logits: torch.Tensor,  # [B, A, S, Vd] block drafter (DFlash): slot k of anchor a drafts x_{a+k}
+    logits: torch.Tensor,  # [B, A, S, Vd] a block drafter's logits (DFlash, DSpark)
     anchors: torch.Tensor,  # [B, A] anchor positions
     anchor_ok: torch.Tensor,  # [B, A] bool: a real anchor (padding anchors carry no loss)
     batch: dict,
@@ -117,41 +117,56 @@ def block_loss(
     gamma: float = 4.0,
     kind: str = "kl",
     reduce=None,
+    first_slot: int = 1,  # the slot of the first draft: 1 for DFlash (slot 0 is the anchor), 0 for DSpark
+    confidence: torch.Tensor | None = None,  # [B, A, S] DSpark's confidence logits
 ) -> tuple[torch.Tensor, dict]:
-    """DFlash's loss: slot k (1..S-1) against the target's distribution after x_{a+k-1} (KL) or the
-    data token x_{a+k} (CE), weighted exp(-(k-1)/gamma) (DFlash's position decay, the first drafted
-    slot weighing 1). Metrics as `eagle3_loss`, position s = slot s + 1: `acc_s` and `acc_all_s`
-    over anchors whose token x_a is a response token (the engine drafts from those)."""
+    """A block drafter's loss. Draft position s (0-based) is slot s + first_slot and drafts x_{a+1+s};
+    it is weighted exp(-s/gamma) (DFlash's and DSpark's position decay). `kind`:
+    - "kl": forward KL to the target's distribution after x_{a+s} (restricted to the draft vocabulary);
+    - "ce": cross-entropy on the data token x_{a+1+s};
+    - "dspark": 0.1 CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV), where TV = 1/2 ||p_d - p_t||_1 and the
+      confidence's soft label is the chance the draft survives verification (DSpark eq. 8-11).
+    Metrics as `eagle3_loss`, over anchors whose token x_a is a response token (the engine drafts
+    from those): `acc_s`, `acc_all_s`, and for DSpark `conf_s` (mean predicted confidence) and
+    `accept_s` (mean soft label)."""
     ids, ok = batch["ids"], batch["mask"] & batch["valid"]
     B, T = ids.shape
-    S = logits.shape[2]
     total = torch.zeros((), device=ids.device)
     metrics = {}
     prev_ok = None
     gather = lambda t, idx: t.gather(1, idx.clamp(0, T - 1))  # noqa: E731  [B, A] rows of t at idx
-    for k in range(1, S):
-        s = k - 1
-        tok_pos = anchors + k  # [B, A]
+    for s in range(logits.shape[2] - first_slot):
+        tok_pos = anchors + 1 + s  # [B, A]
         inside = tok_pos < T
         tgt_tok = gather(ids, tok_pos)
         m = anchor_ok & inside & gather(ok, tok_pos)
-        lg = logits[:, :, k].float()
+        lg = logits[:, :, s + first_slot].float()
         logq = lg.log_softmax(-1)
-        if kind == "kl":
+        lp = None
+        if kind in ("kl", "dspark"):
             with torch.no_grad():
-                last = batch["last"].gather(1, (tok_pos - 1).clamp(0, T - 1)[..., None].expand(-1, -1, batch["last"].shape[-1]))
+                H = batch["last"].shape[-1]
+                last = batch["last"].gather(1, (tok_pos - 1).clamp(0, T - 1)[..., None].expand(-1, -1, H))
                 lp = target_logits(last, head_rows, softcap).log_softmax(-1)
+        d = t2d_ids[tgt_tok]
+        ce = -logq.gather(-1, d.clamp_min(0)[..., None])[..., 0]
+        if kind == "kl":
             per = (lp.exp() * (lp - logq)).sum(-1)
         elif kind == "ce":
-            d = t2d_ids[tgt_tok]
             m = m & (d >= 0)
-            per = -logq.gather(-1, d.clamp_min(0)[..., None])[..., 0]
+            per = ce
+        elif kind == "dspark":
+            tv = 0.5 * (logq.exp() - lp.exp()).abs().sum(-1)  # [B, A]
+            label = (1 - tv).detach().clamp(0, 1)
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(
+                confidence[:, :, s + first_slot].float(), label, reduction="none")
+            per = 0.1 * torch.where(d >= 0, ce, torch.zeros_like(ce)) + 0.9 * tv + bce
         else:
-            raise ValueError(f"unknown loss {kind!r} (kl or ce)")
+            raise ValueError(f"unknown loss {kind!r} (kl, ce or dspark)")
         cnt = m.sum().float()
         num = (per * m).sum()
         den = reduce(cnt.detach().clone()) if reduce else cnt
-        total = total + math.exp(-(k - 1) / gamma) * num / den.clamp_min(1.0)
+        total = total + math.exp(-s / gamma) * num / den.clamp_min(1.0)
         with torch.no_grad():
             ma = anchor_ok & inside & gather(ok, tok_pos) & gather(ok, anchors)
             correct = (d2t_ids[lg.argmax(-1)] == tgt_tok) & ma
@@ -160,6 +175,9 @@ def block_loss(
             metrics[f"loss_{s}"] = (num.detach(), cnt)
             metrics[f"acc_{s}"] = (correct.sum().float(), ma.sum().float())
             metrics[f"acc_all_{s}"] = (all_ok.sum().float(), ma.sum().float())
+            if kind == "dspark":
+                metrics[f"conf_{s}"] = ((torch.sigmoid(confidence[:, :, s + first_slot].float()) * ma).sum(), ma.sum().float())
+                metrics[f"accept_{s}"] = ((label * ma).sum(), ma.sum().float())
     return total, metrics
 
 

@@ -40,7 +40,7 @@ class TrainConfig:
     data: str
     out: str
     model: str | None = None  # the target (default: the model recorded in the data index)
-    method: str = "eagle3"  # eagle3 | peagle | dflash | mtp
+    method: str = "eagle3"  # eagle3 | peagle | dflash | dspark | mtp
     draft_vocab_size: int = 8192
     ttt_steps: int = 3
     step_loss_decay: float = 0.8
@@ -64,7 +64,8 @@ class TrainConfig:
     num_layers: int = 1
     intermediate_size: int | None = None
     train_lm_head: bool = False
-    anchors: int = 64  # DFlash: random anchor blocks per sample and step (block size = ttt_steps + 1)
+    anchors: int = 64  # DFlash / DSpark: random anchor blocks per sample and step
+    markov_rank: int = 256  # DSpark: rank of the Markov head
     export_dtype: str = "bfloat16"
     progress: bool = True
     stop_after: int | None = None  # leave after this many steps of this run (as if killed after a checkpoint)
@@ -120,15 +121,20 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
     # the mask token of the parallel drafters: the target's padding token (never in a response), else 0
     pad = target.config.pad_token_id
     mask_token = pad if pad is not None and 0 <= pad < V else 0
-    if cfg.method == "dflash":
+    if cfg.method in ("dflash", "dspark"):
         from ..drafters.dflash import DFlashConfig, DFlashModel
+        from ..drafters.dspark import DSparkConfig, DSparkModel
 
-        c = DFlashConfig.for_target(target, draft_vocab_size=vd, aux_layers=data.layers, num_layers=cfg.num_layers,
-                                    block_size=cfg.ttt_steps + 1, mask_token_id=mask_token, **kw)
+        if cfg.method == "dspark":  # every slot drafts (the anchor's too): K = block size
+            config_cls, model_cls, kw["block_size"], kw["markov_rank"] = DSparkConfig, DSparkModel, cfg.ttt_steps, cfg.markov_rank
+        else:  # slot 0 is the anchor: K = block size - 1
+            config_cls, model_cls, kw["block_size"] = DFlashConfig, DFlashModel, cfg.ttt_steps + 1
+        c = config_cls.for_target(target, draft_vocab_size=vd, aux_layers=data.layers, num_layers=cfg.num_layers,
+                                  mask_token_id=mask_token, **kw)
         name = data.index.get("model") or cfg.model
         c.verifier = HF_IDS.get(name, name)
         torch.manual_seed(cfg.seed)
-        model = DFlashModel(c, embed_weight=target.model.embed_tokens.weight)
+        model = model_cls(c, embed_weight=target.model.embed_tokens.weight)
         if model.use_draft_vocab:
             counts = data.token_counts if data.token_counts is not None else torch.zeros(V)
             model.set_vocab_mapping(*build_vocab_mapping(counts.double(), vd))
@@ -166,22 +172,24 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
     return model
 
 
-METHODS = ("eagle3", "peagle", "dflash", "mtp")
+METHODS = ("eagle3", "peagle", "dflash", "dspark", "mtp")
 
 
 def forward_loss(model, net, batch: dict, cfg: TrainConfig, head, cap, d2t, t2d, reduce=None, evaluation=False):
     """The drafter's outputs on a batch and their loss and metrics (losses.py), for each method:
     EAGLE-3 / MTP unroll `ttt_steps` steps; P-EAGLE runs its depths at once (COD-sampled anchors in
     training); DFlash runs blocks from random anchors (every anchor in evaluation)."""
-    if cfg.method == "dflash":
+    if cfg.method in ("dflash", "dspark"):
         anchors, ok = sample_anchors(batch, None if evaluation else cfg.anchors)
-        if evaluation:  # every anchor, a chunk at a time (the block attention is [A*S, T + A*S])
-            outs = [net(_inputs(model, batch), batch["ids"], batch["valid"], anchors[:, i : i + 64])
-                    for i in range(0, anchors.shape[1], 64)]
-            logits = torch.cat(outs, 1)
-        else:
-            logits = net(_inputs(model, batch), batch["ids"], batch["valid"], anchors)
-        return block_loss(logits, anchors, ok, batch, head, cap, d2t, t2d, kind=cfg.loss, reduce=reduce)
+        # (evaluation: every anchor, 64 at a time; the block attention is [A*S, T + A*S])
+        chunks = range(0, anchors.shape[1], 64) if evaluation else [0]
+        outs = [net(_inputs(model, batch), batch["ids"], batch["valid"], anchors[:, i : i + 64] if evaluation else anchors)
+                for i in chunks]
+        if cfg.method == "dflash":
+            return block_loss(torch.cat(outs, 1), anchors, ok, batch, head, cap, d2t, t2d, kind=cfg.loss, reduce=reduce)
+        logits, conf = torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
+        return block_loss(logits, anchors, ok, batch, head, cap, d2t, t2d, kind="dspark", reduce=reduce, first_slot=0,
+                          confidence=conf)
     kw = {}
     if cfg.method == "peagle" and not evaluation:  # COD: each depth on a random subset of the anchors before
         c = model.config
@@ -213,7 +221,7 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
 RESUME_FIELDS = ("data", "method", "draft_vocab_size", "ttt_steps", "step_loss_decay", "loss", "lr", "weight_decay",
                  "warmup_ratio", "min_lr_ratio", "grad_clip", "batch_size", "epochs", "steps", "max_len",
                  "val_fraction", "seed", "bf16", "fc_norm", "norm_output", "num_layers", "intermediate_size",
-                 "train_lm_head", "anchors")
+                 "train_lm_head", "anchors", "markov_rank")
 STATE = "state.pt"
 
 
@@ -468,6 +476,10 @@ def train(cfg: TrainConfig, target=None) -> dict:
     if bar is not None:
         bar.close()
     ev = evaluate(model, target, data, val_idx, cfg, dist=dist)
+    if cfg.method == "dspark" and dist.main and val_idx:
+        from .calibration import calibrate_dspark
+
+        calibrate_dspark(model, target, data, val_idx, cfg, out)
     if dist.main:
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.export_dtype]
         model.save(out, dtype=dtype)
