@@ -133,22 +133,22 @@ def softcapped_attention(q, K, V, mask, scale, cap):
     return w @ V
 
 
-INVARIANT_QUERIES = 8  # queries per attention call in invariant mode (see `attend`)
+INVARIANT_QUERIES = 2  # queries per attention call in invariant mode (see `attend`)
 
 
 def attend(q, K, V, mask, scale: float, softcap: float | None = None, invariant: bool = False) -> torch.Tensor:
     """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd].
 
-    invariant=True gives every query row the bits it gets alone: the CPU flash kernel computes a
-    row differently once a call holds more than about 10 queries (measured in bf16 at head_dim 256:
-    rows of an 11..40-query call differ from the same rows alone; tests/test_exact_numerics.py),
-    and has its own path for one query. So queries go in blocks of at most INVARIANT_QUERIES, and
-    a lone query is padded to two."""
+    invariant=True gives every query row the bits it gets alone: the CPU kernels compute a row
+    differently with the number of queries in the call (bf16, head_dim 256: on an Ice Lake Xeon
+    rows of 11..40-query calls differ from the same rows alone, on an AVX2 EPYC already some rows
+    of 4- and 8-query calls; tests/test_exact_numerics.py), and have their own path for one query.
+    So every call holds exactly two queries, the shape a lone query is padded to."""
     if not invariant:
         return _attend_once(q, K, V, mask, scale, softcap)
     outs = []
     for qb, mb in zip(q.split(INVARIANT_QUERIES, dim=2), mask.split(INVARIANT_QUERIES, dim=2)):
-        if qb.shape[2] == 1:
+        if qb.shape[2] < INVARIANT_QUERIES:
             outs.append(_attend_once(torch.cat([qb, qb], 2), K, V, torch.cat([mb, mb], 2), scale, softcap)[:, :, :1])
         else:
             outs.append(_attend_once(qb.contiguous(), K, V, mb, scale, softcap))
