@@ -207,3 +207,23 @@ def _keep_torch_threads():
     yield
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+def randomize_head(m, counts=None):
+    """Random weights for a draft head built from a config (norm weights in [0.5, 1.5], the rest
+    normal with a 1.5 / sqrt(fan-in) scale) and, with a reduced draft vocabulary, the mapping of
+    the most frequent ids by `counts` (default: lower ids first). Returns it in eval mode."""
+    from verispec.drafters.eagle3 import build_vocab_mapping
+
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
+    if m.use_draft_vocab:
+        c = m.config
+        if counts is None:
+            counts = torch.arange(c.vocab_size, 0, -1).float()
+        m.set_vocab_mapping(*build_vocab_mapping(counts, c.draft_vocab_size))
+    return m.eval()

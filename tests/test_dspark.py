@@ -4,18 +4,17 @@ and sampled, chains and trees) and a negative control that reports the base logi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import build_hf, ours_from_hf, random_ids
+from conftest import build_hf, ours_from_hf, random_ids, randomize_head
 from verispec.drafters import make_drafter
 from verispec.drafters.dspark import (DSparkConfig, DSparkDrafter, DSparkModel, expected_calibration_error, load_dspark,
                                       sequential_temperature_scaling)
-from verispec.drafters.eagle3 import build_vocab_mapping
+from test_eagle3 import _engine_run
 from verispec.engine import Engine, EngineConfig
 from verispec.sampling import SamplingParams, probs
 
@@ -29,18 +28,10 @@ def random_dspark(target, draft_vocab=None, seed=0, counts=None, markov_scale=1.
     c = DSparkConfig.for_target(target, draft_vocab_size=draft_vocab, aux_layers=kw.pop("aux_layers", None), **kw)
     torch.manual_seed(seed)
     m = DSparkModel(c, embed_weight=target.model.embed_tokens.weight)
+    randomize_head(m, counts)
     with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
         m.markov_head.markov_w1.weight.normal_(0, markov_scale)  # a Markov bias that matters
-    if m.use_draft_vocab:
-        if counts is None:
-            counts = torch.arange(c.vocab_size, 0, -1).float()
-        m.set_vocab_mapping(*build_vocab_mapping(counts, c.draft_vocab_size))
-    return m.eval()
+    return m
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +66,6 @@ def test_training_forward_is_the_serving_forward(llama):
         lg, cf = m.heads(h, m.head_logits(h), ids[0, a : a + 4])
         torch.testing.assert_close(lg, logits[0, j], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(cf, conf[0, j], atol=1e-4, rtol=1e-4)
-
-
-def _engine_run(target, drafter, prompts, sp, k=4, max_batch=3, **kw):
-    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=k, dtype="float32",
-                       max_batch_size=max_batch, max_model_len=96, **kw)
-    eng = Engine(target, None, cfg, drafter)
-    seqs = [eng.add_request(p, sp) for p in prompts]
-    while eng.has_work:
-        eng.step()
-    return [s.output_ids for s in seqs], seqs
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3"])
@@ -149,22 +130,12 @@ def test_sampled_lossless_tv_and_the_base_q_control_fails(tree):
     target = ours_from_hf(hf)
     m = random_dspark(target, draft_vocab=4, counts=torch.tensor([5.0, 5, 1, 5, 5]), aux_layers=[0, 1, 2],
                       mask_token_id=2, block_size=tsl.K, markov_scale=3.0)
-    n = 1200
     cases = [(DSparkDrafter, sp, True) for sp in ((tsl.PLAIN, tsl.PROCESSED) if tree is None else (tsl.PLAIN,))]
     if tree is None:
         cases.append((_BaseQDrafter, tsl.PLAIN, False))
     for cls, sp, lossless in cases:
-        cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=tsl.K,
-                           draft_tree=tree, dtype="float32", max_batch_size=tsl.BATCH, max_model_len=tsl.MAX_LEN)
-        eng = Engine(target, None, cfg, cls(m, target, tsl.BATCH, tsl.MAX_LEN + tsl.K + 1))
-        seqs = [eng.add_request(tsl.PROMPT, dataclasses.replace(sp, seed=1000 + i)) for i in range(n)]
-        outs = tsl.run_to_end(eng, seqs)
-        codes = torch.tensor([sum(x * tsl.V ** (tsl.M - 1 - j) for j, x in enumerate(o)) for o in outs])
-        counts = torch.bincount(codes, minlength=tsl.V ** tsl.M).double()
-        exact = tsl.exact_joint(hf, sp)
-        thr = tsl.null_thresholds(exact, n)["joint"][0]
-        assert sum(s.stats.drafted for s in seqs) > 0 and sum(s.stats.accepted for s in seqs) > 0
-        tv = tsl.tv(counts, exact)
+        drafter = cls(m, target, tsl.BATCH, tsl.MAX_LEN + tsl.K + 1)
+        tv, thr, _ = tsl.drafter_tv(hf, target, drafter, sp, 1200, tree=tree)
         if lossless:
             assert tv < thr, (cls.__name__, sp, tree, tv, thr)
         else:
@@ -277,11 +248,10 @@ def test_sequential_temperature_scaling_recovers_a_known_miscalibration():
 # --------------------------------------------------------------------------------------------
 # training (the tiny target and greedy data of test_train_eagle3)
 
-from test_train_eagle3 import V as TINY_V, _acceptance, _cfg, tiny  # noqa: E402,F401  (a module fixture)
+from test_train_eagle3 import V as TINY_V, _cfg, check_trained_drafter, tiny  # noqa: E402,F401  (a module fixture)
 
 
 def test_training_raises_acceptance_matches_the_engine_and_calibrates(tiny, tmp_path):
-    from verispec.train.consistency import engine_acceptance_at_every_anchor
     from verispec.train.dataset import HiddenStateData
     from verispec.train.trainer import build_model, train
 
@@ -289,8 +259,7 @@ def test_training_raises_acceptance_matches_the_engine_and_calibrates(tiny, tmp_
     cfg = _cfg(data, tmp_path / "ds", method="dspark", steps=120, save_every=1000, lr=1e-2, ttt_steps=3,
                intermediate_size=96, draft_vocab_size=TINY_V, warmup_ratio=0.05, export_dtype="float32",
                train_lm_head=True, num_layers=2, anchors=16)
-    d = HiddenStateData(data)
-    untrained = build_model(cfg, target, d).eval()
+    untrained = build_model(cfg, target, HiddenStateData(data)).eval()
     assert isinstance(untrained, DSparkModel) and untrained.config.block_size == 3  # every slot drafts
     ev = train(cfg, target)
     assert ev["acceptance_unconditional"][0] > 0.3, ev
@@ -298,19 +267,4 @@ def test_training_raises_acceptance_matches_the_engine_and_calibrates(tiny, tmp_
     assert len(saved["confidence_temperatures"]) == 3  # STS on the held-out split
     cal = json.loads((tmp_path / "ds" / "calibration.json").read_text())
     assert len(cal["ece_before"]) == len(cal["ece_after"]) == 3 and (tmp_path / "ds" / "reliability.png").is_file()
-    prompts = [random_ids(n, TINY_V, seed=900 + n)[0].tolist() for n in (5, 7, 4, 9)]
-    _, plain = _acceptance(target, None, prompts)
-    a0, out0 = _acceptance(target, DSparkDrafter(untrained, target, 4, 70), prompts)
-    trained = make_drafter(str(tmp_path / "ds"), target, 4, 70, torch.float32, "cpu")
-    a1, out1 = _acceptance(target, trained, prompts)
-    assert out0 == out1 == plain
-    print(f"DSpark engine acceptance rate: untrained {a0:.3f} -> trained {a1:.3f}; held-out {ev['acceptance_conditional']}")
-    assert a1 > a0 + 0.2, (a0, a1)
-    _, val = d.split(cfg.val_fraction, cfg.seed)
-    samples = [(d.samples[j].ids, d.samples[j].mask) for j in val]
-    ours = engine_acceptance_at_every_anchor(target, DSparkDrafter(trained.model, target, 16, 70), samples, 3,
-                                             max_model_len=64)
-    print(f"trainer {ev['acceptance_unconditional']} vs engine {ours['acceptance_unconditional']} at {ours['anchors']} anchors")
-    assert ours["anchors"] > 50
-    for a, b in zip(ev["acceptance_unconditional"], ours["acceptance_unconditional"]):
-        assert abs(a - b) <= 0.01, (ev["acceptance_unconditional"], ours["acceptance_unconditional"])
+    check_trained_drafter(tiny, cfg, untrained, ev, DSparkDrafter, "DSpark")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import build_hf, ours_from_hf, random_ids
+from conftest import build_hf, ours_from_hf, random_ids, randomize_head
 from verispec.drafters import make_drafter
 from verispec.drafters.eagle3 import (
     CheckpointError, Eagle3Config, Eagle3Drafter, Eagle3Model, build_vocab_mapping, default_aux_layers, load_eagle3,
@@ -24,17 +24,7 @@ def random_eagle(target, draft_vocab=None, seed=0, counts=None, **kw) -> Eagle3M
     c = Eagle3Config.for_target(target, draft_vocab_size=draft_vocab, aux_layers=kw.pop("aux_layers", None), **kw)
     torch.manual_seed(seed)
     m = Eagle3Model(c, embed_weight=target.model.embed_tokens.weight)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
-    if m.use_draft_vocab:
-        if counts is None:
-            counts = torch.arange(c.vocab_size, 0, -1).float()
-        m.set_vocab_mapping(*build_vocab_mapping(counts, c.draft_vocab_size))
-    return m.eval()
+    return randomize_head(m, counts)
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,15 @@ sampled, chains and trees), checkpoints (ours and speculators' own class), train
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
-from conftest import build_hf, ours_from_hf, random_ids
+from conftest import build_hf, ours_from_hf, random_ids, randomize_head
 from verispec.drafters import make_drafter
-from verispec.drafters.eagle3 import build_vocab_mapping
 from verispec.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleModel, cod_rows, load_peagle
+from test_eagle3 import _engine_run
 from verispec.engine import Engine, EngineConfig
 from verispec.sampling import SamplingParams
 
@@ -24,17 +23,7 @@ def random_peagle(target, draft_vocab=None, seed=0, counts=None, **kw) -> PEagle
     c = PEagleConfig.for_target(target, draft_vocab_size=draft_vocab, aux_layers=kw.pop("aux_layers", None), **kw)
     torch.manual_seed(seed)
     m = PEagleModel(c, embed_weight=target.model.embed_tokens.weight)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 1.5 / p.shape[-1] ** 0.5)
-    if m.use_draft_vocab:
-        if counts is None:
-            counts = torch.arange(c.vocab_size, 0, -1).float()
-        m.set_vocab_mapping(*build_vocab_mapping(counts, c.draft_vocab_size))
-    return m.eval()
+    return randomize_head(m, counts)
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +94,6 @@ def test_padding_rows_do_not_change_real_rows(llama):
         torch.testing.assert_close(padded[s][1, : 6 - s], alone[s][0, : 6 - s], atol=1e-5, rtol=1e-5)
 
 
-def _engine_run(target, drafter, prompts, sp, k=4, max_batch=3, **kw):
-    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=k, dtype="float32",
-                       max_batch_size=max_batch, max_model_len=96, **kw)
-    eng = Engine(target, None, cfg, drafter)
-    seqs = [eng.add_request(p, sp) for p in prompts]
-    while eng.has_work:
-        eng.step()
-    return [s.output_ids for s in seqs], seqs
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3"])
 @pytest.mark.parametrize("tree", [None, "dynamic:3", "static:2,2,1"])
 def test_greedy_lossless_with_peagle(family, tree):
@@ -165,19 +144,10 @@ def test_sampled_lossless_tv(tree):
     target = ours_from_hf(hf)
     m = random_peagle(target, draft_vocab=4, counts=torch.tensor([5.0, 5, 1, 5, 5]), aux_layers=[0, 1, 2],
                       mask_token_id=2)
-    n = 1200
     for sp in (tsl.PLAIN, tsl.PROCESSED) if tree is None else (tsl.PLAIN,):
-        cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=tsl.K,
-                           draft_tree=tree, dtype="float32", max_batch_size=tsl.BATCH, max_model_len=tsl.MAX_LEN)
-        eng = Engine(target, None, cfg, PEagleDrafter(m, target, tsl.BATCH, tsl.MAX_LEN + tsl.K + 1))
-        seqs = [eng.add_request(tsl.PROMPT, dataclasses.replace(sp, seed=1000 + i)) for i in range(n)]
-        outs = tsl.run_to_end(eng, seqs)
-        codes = torch.tensor([sum(x * tsl.V ** (tsl.M - 1 - j) for j, x in enumerate(o)) for o in outs])
-        counts = torch.bincount(codes, minlength=tsl.V ** tsl.M).double()
-        exact = tsl.exact_joint(hf, sp)
-        thr = tsl.null_thresholds(exact, n)["joint"][0]
-        assert sum(s.stats.drafted for s in seqs) > 0 and sum(s.stats.accepted for s in seqs) > 0
-        assert tsl.tv(counts, exact) < thr, (sp, tree, tsl.tv(counts, exact), thr)
+        drafter = PEagleDrafter(m, target, tsl.BATCH, tsl.MAX_LEN + tsl.K + 1)
+        tv, thr, _ = tsl.drafter_tv(hf, target, drafter, sp, 1200, tree=tree)
+        assert tv < thr, (sp, tree, tv, thr)
 
 
 def test_save_load_roundtrip_export_and_bad_mask_token(llama, tmp_path, capsys):
@@ -272,14 +242,11 @@ def test_export_loads_in_speculators_peagle_class(llama, tmp_path):
 # --------------------------------------------------------------------------------------------
 # training (the tiny target and greedy data of test_train_eagle3)
 
-from test_train_eagle3 import V as TINY_V, _acceptance, _cfg, tiny  # noqa: E402,F401  (a module fixture)
+from test_train_eagle3 import V as TINY_V, _cfg, check_trained_drafter, tiny  # noqa: E402,F401  (a module fixture)
 
 
 def test_training_raises_acceptance_and_matches_the_engine(tiny, tmp_path):
-    """`verispec train --method peagle`: COD-sampled depths, exported in the speculators format; the
-    engine's acceptance rises, output stays plain decoding's, and the trainer's held-out acceptance
-    (all anchors, all depths) is what the engine measures at the same anchors (train/consistency.py)."""
-    from verispec.train.consistency import engine_acceptance_at_every_anchor
+    """`verispec train --method peagle`: COD-sampled depths, exported in the speculators format."""
     from verispec.train.dataset import HiddenStateData
     from verispec.train.trainer import build_model, train
 
@@ -287,24 +254,9 @@ def test_training_raises_acceptance_and_matches_the_engine(tiny, tmp_path):
     cfg = _cfg(data, tmp_path / "pe", method="peagle", steps=120, save_every=1000, lr=1e-2, ttt_steps=3,
                intermediate_size=96, draft_vocab_size=TINY_V, warmup_ratio=0.05, export_dtype="float32",
                train_lm_head=True, num_layers=2)
-    d = HiddenStateData(data)
-    untrained = build_model(cfg, target, d).eval()
+    untrained = build_model(cfg, target, HiddenStateData(data)).eval()
     assert isinstance(untrained, PEagleModel) and untrained.config.mask_token_id == target.config.pad_token_id
     ev = train(cfg, target)
     assert ev["acceptance_unconditional"][0] > 0.3, ev
-    trained = load_peagle(tmp_path / "pe", target)
     assert json.loads((tmp_path / "pe" / "config.json").read_text())["para_depths"] == 3
-    prompts = [random_ids(n, TINY_V, seed=900 + n)[0].tolist() for n in (5, 7, 4, 9)]
-    _, plain = _acceptance(target, None, prompts)
-    a0, out0 = _acceptance(target, PEagleDrafter(untrained, target, 4, 70), prompts)
-    a1, out1 = _acceptance(target, make_drafter(str(tmp_path / "pe"), target, 4, 70, torch.float32, "cpu"), prompts)
-    assert out0 == out1 == plain
-    print(f"P-EAGLE engine acceptance rate: untrained {a0:.3f} -> trained {a1:.3f}; held-out {ev['acceptance_conditional']}")
-    assert a1 > a0 + 0.2, (a0, a1)
-    _, val = d.split(cfg.val_fraction, cfg.seed)
-    samples = [(d.samples[j].ids, d.samples[j].mask) for j in val]
-    ours = engine_acceptance_at_every_anchor(target, PEagleDrafter(trained, target, 16, 70), samples, 3, max_model_len=64)
-    print(f"trainer {ev['acceptance_unconditional']} vs engine {ours['acceptance_unconditional']} at {ours['anchors']} anchors")
-    assert ours["anchors"] > 50
-    for a, b in zip(ev["acceptance_unconditional"], ours["acceptance_unconditional"]):
-        assert abs(a - b) <= 0.01, (ev["acceptance_unconditional"], ours["acceptance_unconditional"])
+    check_trained_drafter(tiny, cfg, untrained, ev, PEagleDrafter, "P-EAGLE")

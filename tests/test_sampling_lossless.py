@@ -210,6 +210,23 @@ def run_to_end(eng: Engine, seqs):
     return [s.output_ids for s in seqs]
 
 
+def drafter_tv(hf, target, drafter, sp: SamplingParams, n: int, seed0: int = 1000, tree: str | None = None,
+               k: int = K) -> tuple[float, float, list]:
+    """n seeded requests through one engine with `drafter` (fixed k, optionally a tree shape) ->
+    (TV of the joint against the exact one, the null threshold, the sequences). Checks that drafts
+    were made and accepted, so the verdict is about speculation."""
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=k, draft_tree=tree,
+                       dtype="float32", max_batch_size=BATCH, max_model_len=MAX_LEN)
+    eng = Engine(target, None, cfg, drafter=drafter)
+    seqs = [eng.add_request(PROMPT, dataclasses.replace(sp, seed=seed0 + i)) for i in range(n)]
+    outs = run_to_end(eng, seqs)
+    codes = torch.tensor([sum(x * V ** (M - 1 - j) for j, x in enumerate(o)) for o in outs])
+    counts = torch.bincount(codes, minlength=V**M).double()
+    exact = exact_joint(hf, sp)
+    assert sum(s.stats.drafted for s in seqs) > 0 and sum(s.stats.accepted for s in seqs) > 0
+    return tv(counts, exact), null_thresholds(exact, n)["joint"][0], seqs
+
+
 def sample_outputs(models, kind: str, sp: SamplingParams, n: int, seed0: int):
     """n requests with seeds seed0.. through one engine -> (counts over V^M outcomes, merged stats)."""
     eng = new_engine(models[1], make_drafter(kind, models))

@@ -179,6 +179,37 @@ def _acceptance(target, drafter, prompts):
     return acc, [s.output_ids for s in seqs]
 
 
+def check_trained_drafter(tiny, cfg, untrained, ev, drafter_cls, name: str) -> None:
+    """What every drafter kind's training test checks after `train(cfg)`: the checkpoint in cfg.out
+    loads by its folder (`make_drafter`), its engine acceptance beats the untrained drafter's by 0.2
+    with outputs equal to plain decoding's, and the trainer's held-out acceptance is the engine's
+    at the same anchors (train/consistency.py), position by position within 0.01."""
+    from verispec.drafters import make_drafter
+    from verispec.train.consistency import engine_acceptance_at_every_anchor
+
+    target, _, data, _ = tiny
+    prompts = [random_ids(n, V, seed=900 + n)[0].tolist() for n in (5, 7, 4, 9)]
+    _, plain = _acceptance(target, None, prompts)
+    a0, out0 = _acceptance(target, drafter_cls(untrained, target, 4, 70), prompts)
+    trained = make_drafter(cfg.out, target, 4, 70, torch.float32, "cpu")
+    assert type(trained) is drafter_cls
+    a1, out1 = _acceptance(target, trained, prompts)
+    assert out0 == out1 == plain
+    print(f"{name} engine acceptance rate: untrained {a0:.3f} -> trained {a1:.3f}; held-out conditional "
+          f"{[round(x, 3) for x in ev['acceptance_conditional']]}")
+    assert a1 > a0 + 0.2, (a0, a1)
+    d = HiddenStateData(data)
+    _, val = d.split(cfg.val_fraction, cfg.seed)
+    samples = [(d.samples[j].ids, d.samples[j].mask) for j in val]
+    ours = engine_acceptance_at_every_anchor(target, drafter_cls(trained.model, target, 16, 70), samples, 3,
+                                             max_model_len=64)
+    print(f"trainer {ev['acceptance_unconditional']} vs engine {ours['acceptance_unconditional']} "
+          f"at {ours['anchors']} anchors")
+    assert ours["anchors"] > 50
+    for a, b in zip(ev["acceptance_unconditional"], ours["acceptance_unconditional"]):
+        assert abs(a - b) <= 0.01, (ev["acceptance_unconditional"], ours["acceptance_unconditional"])
+
+
 def test_end_to_end_training_raises_acceptance(tiny, tmp_path):
     target, folder, data, _ = tiny
     cfg = _cfg(data, tmp_path / "e2e", steps=100, save_every=1000, lr=1e-2, ttt_steps=3, intermediate_size=96,

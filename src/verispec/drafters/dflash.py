@@ -35,7 +35,7 @@ from ..sequence import Sequence
 from . import expand
 from .base import Draft, DrafterBase, register
 from .eagle3 import (ARCHITECTURES, _check_ints, _is_int, from_speculators_layers, to_speculators_layers)
-from .head import CheckpointError, DraftHead, layer_config
+from .head import CheckpointError, DraftHead, layer_config, speculators_block, speculators_layers
 
 
 def default_dflash_layers(num_layers: int, count: int) -> list[int]:
@@ -97,30 +97,8 @@ class DFlashConfig:
             "sliding_window_non_causal": False,
             "sample_from_anchor": False,
             "dtype": dtype,
-            "transformer_layer_config": {
-                "model_type": "qwen3",
-                "architectures": ["Qwen3ForCausalLM"],
-                "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
-                "hidden_act": "silu",
-                "rms_norm_eps": self.rms_norm_eps,
-                "max_position_embeddings": self.max_position_embeddings,
-                "attention_bias": False,
-                "tie_word_embeddings": False,
-                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            },
-            "speculators_config": {
-                "algorithm": "dflash",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": self.verifier, "architectures": list(self.verifier_architectures)},
-            },
+            "transformer_layer_config": speculators_layers(self, "qwen3"),
+            "speculators_config": speculators_block(self, "dflash"),
         }
 
     @classmethod
@@ -325,9 +303,7 @@ class DFlashDrafter(DrafterBase):
         st.n_obs = start + n
 
     def _full(self, lg: torch.Tensor) -> torch.Tensor:
-        out = torch.full((lg.shape[0], self.model.config.vocab_size), float("-inf"), device=self.device)
-        out[:, self._d2t] = lg.float()
-        return out
+        return self.model.to_target_vocab(lg, self._d2t)
 
     def block_logits(self, slots: list[int], anchors: list[int], anchor_ids: list[int]) -> torch.Tensor:
         """fp32 logits [B, S, Vd] of `block_states`."""

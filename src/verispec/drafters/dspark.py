@@ -35,7 +35,7 @@ from . import expand
 from .base import Draft, register
 from .dflash import DFlashConfig, DFlashDrafter, DFlashModel
 from .eagle3 import _check_ints
-from .head import CheckpointError
+from .head import CheckpointError, speculators_block
 
 
 @dataclass
@@ -54,8 +54,7 @@ class DSparkConfig(DFlashConfig):
                   "confidence_head_with_markov": True})
         if self.confidence_temperatures:
             d["confidence_temperatures"] = list(self.confidence_temperatures)
-        d["speculators_config"]["algorithm"] = "dspark"
-        d["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = self.speculative_tokens
+        d["speculators_config"] = speculators_block(self, "dspark")
         return d
 
     @classmethod

@@ -36,7 +36,7 @@ from ..models.layers import DecoderLayer, RMSNorm, linear
 from ..sequence import Sequence
 from .base import Draft, DrafterBase, register
 from . import expand
-from .head import CheckpointError, DraftHead, layer_config
+from .head import CheckpointError, DraftHead, layer_config, speculators_block, speculators_layers
 
 TREE_SCRATCH = 128  # KV rows past a sequence's end for the nodes a dynamic tree runs (width x depth)
 
@@ -104,31 +104,8 @@ class Eagle3Config:
             "norm_output": self.norm_output,
             "embed_requires_grad": False,
             "dtype": dtype,
-            "transformer_layer_config": {
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-                "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_layers,
-                "num_attention_heads": self.num_heads,
-                "num_key_value_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
-                "hidden_act": "silu",
-                "rms_norm_eps": self.rms_norm_eps,
-                "max_position_embeddings": self.max_position_embeddings,
-                "attention_bias": False,
-                "mlp_bias": False,
-                "tie_word_embeddings": False,
-                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            },
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens,
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": self.verifier, "architectures": list(self.verifier_architectures)},
-            },
+            "transformer_layer_config": speculators_layers(self, "llama"),
+            "speculators_config": speculators_block(self, self.MODEL_TYPE),
         }
 
     @staticmethod
@@ -466,10 +443,7 @@ class Eagle3Drafter(DrafterBase):
         return h, logits, feeds
 
     def _full(self, lg: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [n, Vd] -> the target vocabulary [n, V] (-inf outside)."""
-        out = torch.full((lg.shape[0], self.model.config.vocab_size), float("-inf"), device=self.device)
-        out[:, self._d2t] = lg.float()
-        return out
+        return self.model.to_target_vocab(lg, self._d2t)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:

@@ -47,6 +47,43 @@ def layer_config(c) -> ModelConfig:
     )
 
 
+def speculators_layers(c, model_type: str) -> dict:
+    """speculators' `transformer_layer_config` for draft layers of `model_type` (llama, or qwen3 with
+    q/k norms) described by a head config `c`."""
+    d = {
+        "model_type": model_type,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+    }
+    if model_type == "llama":
+        d["mlp_bias"] = False
+    return d
+
+
+def speculators_block(c, algorithm: str) -> dict:
+    """speculators' `speculators_config`: the algorithm, a greedy proposal of c.speculative_tokens,
+    and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.speculative_tokens,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": c.verifier, "architectures": list(c.verifier_architectures)},
+    }
+
+
 class DraftHead(nn.Module):
     """Base of the EAGLE-3 and MTP heads. Subclasses build their input modules, pass them to
     `__init__` (in registration order, so seeded initialisation is reproducible), and define
@@ -99,6 +136,13 @@ class DraftHead(nn.Module):
         """[Vd] target ids of the draft vocabulary."""
         ar = torch.arange(self.config.draft_vocab_size, device=self.lm_head.weight.device)
         return ar + self.d2t if self.use_draft_vocab else ar
+
+    def to_target_vocab(self, lg: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-vocabulary logits [n, Vd] -> fp32 logits over the target vocabulary [n, V] (-inf
+        outside the draft vocabulary). d2t: `draft_to_target()`, when the caller keeps it."""
+        out = torch.full((lg.shape[0], self.config.vocab_size), float("-inf"), device=lg.device)
+        out[:, self.draft_to_target() if d2t is None else d2t] = lg.float()
+        return out
 
     def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids (-1 where the id is not in the draft vocabulary)."""

@@ -57,7 +57,6 @@ class PEagleConfig(Eagle3Config):
             "down_sample_ratio": self.cod_ratio,
             "down_sample_ratio_min": self.cod_ratio_min,
         })
-        d["speculators_config"]["algorithm"] = "peagle"
         return d
 
     @staticmethod
