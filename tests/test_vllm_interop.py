@@ -1,19 +1,17 @@
-"""vLLM serves the EAGLE-3 drafters verispec trains, unchanged (issue 13).
+"""vLLM serves the drafters verispec trains, unchanged (issues 11 and 13): EAGLE-3 (Llama and Qwen3
+targets), P-EAGLE and DFlash (Qwen3); DSpark is refused by vLLM 0.32's CPU build, with its own error.
 
 For a tiny Llama and a tiny Qwen3 target made here (vLLM's Gemma 3 lacks the EAGLE-3 interface),
 an EAGLE-3 head is trained for a few hundred steps, exported with `verispec export --vllm`, and
 run in vLLM with the --speculative-config that command prints, on 16 held-out prompts. Greedy
 outputs must be identical to verispec's.
 
-Acceptance: for the Qwen3 target vLLM drafts and accepts exactly what verispec does, request by
-request (seen: 16 of 16, including requests whose drafter logits met top-2 gaps below 0.001). For
-the Llama target it does not: per request the counts differ by a token or a step, and vLLM's
-third-position acceptance is systematically higher (0.204 against 0.156 over 255 drafts on one
-machine; 0.254 against 0.219 on another), with outputs identical. The cause is not found yet
-(the aux-layer ids, their capture point and the drafter class are the same for both targets in
-vLLM 0.32); until it is, the Llama case asserts the per-position acceptance within LLAMA_SLACK
-and prints each request's counts. vLLM runs in its own venv (benchmarks/vllm_env.sh); without it
-the test is skipped. About 5 minutes on 2 cores.
+Acceptance: with a fixed K (as vLLM drafts), vLLM drafts and accepts exactly what verispec does,
+request by request, for both targets (seen: 16 of 16 each, Llama 255 / 255 drafts). An earlier
+version of this test ran verispec with its default adaptive draft policy, whose budgets follow the
+machine's measured step costs, and saw acceptance drift from vLLM's with the machine's load.
+vLLM runs in its own venv (benchmarks/vllm_env.sh); without it the test is skipped. About 9
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     V.venv_python() is None, reason=f"vLLM's venv {V.venv_dir()} is absent (bash benchmarks/vllm_env.sh makes it)")]
 
 VOCAB, LAYERS, K, MAX_TOKENS = 64, 8, 3, 32
-LLAMA_SLACK = 0.08  # per-position acceptance, Llama target (see the module docstring)
+PARALLEL_SLACK = 0.03  # per-position acceptance of P-EAGLE and DFlash (test_parallel_drafters_in_vllm)
 
 
 def make_target(family: str, folder):
@@ -53,17 +51,22 @@ def make_target(family: str, folder):
     hf.save_pretrained(str(folder))
 
 
-def train_drafter(target, folder, work):
+def train_drafter(target, folder, work, method: str = "eagle3", out: str = "drafter"):
+    """A drafter of `method` trained for a few hundred steps on the target's greedy answers to 64
+    random prompts (the data is made once per `work` folder)."""
     from verispec.drafters.eagle3 import default_aux_layers
     from verispec.train.data import build_dataset
     from verispec.train.trainer import TrainConfig, train
 
-    prompts = [random_ids(n, VOCAB, seed=300 + i)[0].tolist() for i, n in enumerate([4, 6, 9, 5, 7, 3, 8, 6] * 8)]
-    build_dataset(target, prompts, work / "data", default_aux_layers(LAYERS), max_tokens=24, shard_size=16,
-                  batch_size=8, meta={"model": str(folder)})
-    cfg = TrainConfig(data=str(work / "data"), out=str(work / "drafter"), draft_vocab_size=VOCAB, ttt_steps=K, lr=1e-2,
-                      batch_size=8, steps=300, save_every=1000, bf16=False, progress=False, val_fraction=0.125,
-                      intermediate_size=256, warmup_ratio=0.05, export_dtype="float32", train_lm_head=True)
+    if not (work / "data" / "index.json").exists():
+        prompts = [random_ids(n, VOCAB, seed=300 + i)[0].tolist() for i, n in enumerate([4, 6, 9, 5, 7, 3, 8, 6] * 8)]
+        build_dataset(target, prompts, work / "data", default_aux_layers(LAYERS), max_tokens=24, shard_size=16,
+                      batch_size=8, meta={"model": str(folder)})
+    cfg = TrainConfig(data=str(work / "data"), out=str(work / out), method=method, draft_vocab_size=VOCAB, ttt_steps=K,
+                      lr=1e-2, batch_size=8, steps=300 if method == "eagle3" else 200, save_every=1000, bf16=False,
+                      progress=False, val_fraction=0.125, intermediate_size=256, warmup_ratio=0.05,
+                      export_dtype="float32", train_lm_head=True, num_layers=1 if method == "eagle3" else 2, anchors=16,
+                      markov_rank=16)
     return train(cfg, target)
 
 
@@ -89,29 +92,31 @@ def verispec_run(target, drafter_dir, prompts):
     MAX_TOKENS: the same steps, each with a full draft, as vLLM's counters cover."""
     import copy
 
-    from verispec.drafters.eagle3 import Eagle3Drafter, load_eagle3
+    from verispec.drafters import make_drafter
     from verispec.engine import Engine, EngineConfig
     from verispec.sampling import SamplingParams
     from verispec.sequence import SpecStats
 
     max_len = 128
-    model = load_eagle3(drafter_dir, target)
-    gaps: list[float] = []
-    step = model.step
+    drafter = make_drafter(str(drafter_dir), target, 1, max_len + K + 1, torch.float32, "cpu")
+    gaps: list[float] = [float("inf")]
+    if hasattr(drafter.model, "step"):  # EAGLE-3: record each draft step's top-2 gap
+        step = drafter.model.step
 
-    def recording_step(ids, hidden, positions, kvs):
-        h, logits = step(ids, hidden, positions, kvs)
-        top = logits.float().topk(2, -1).values
-        gaps.append(float((top[..., 0] - top[..., 1]).min()))
-        return h, logits
+        def recording_step(ids, hidden, positions, kvs):
+            h, logits = step(ids, hidden, positions, kvs)
+            top = logits.float().topk(2, -1).values
+            gaps.append(float((top[..., 0] - top[..., 1]).min()))
+            return h, logits
 
-    model.step = recording_step
-    eng = Engine(target, None, EngineConfig(model="x", num_draft_tokens=K, dtype="float32", max_batch_size=1,
-                                            max_model_len=max_len),
-                 Eagle3Drafter(model, target, 1, max_len + K + 1))
+        drafter.model.step = recording_step
+    # fixed K, as vLLM drafts: the default adaptive policy would choose budgets from this machine's
+    # measured step costs, which vary with its load
+    eng = Engine(target, None, EngineConfig(model="x", num_draft_tokens=K, draft_policy="fixed", dtype="float32",
+                                            max_batch_size=1, max_model_len=max_len), drafter)
     outs, total, per_request, min_gap = [], SpecStats(), [], []
     for p in prompts:
-        gaps.clear()
+        del gaps[1:]
         s = eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS + K + 1, ignore_eos=True))
         seen = None
         while eng.has_work:
@@ -178,8 +183,50 @@ def test_exported_eagle3_runs_in_vllm_with_verispecs_outputs_and_acceptance(fami
         print(f"  {'same' if same else 'DIFF'}: verispec {mine.drafts} drafts {ours_pos}, vLLM {r['spec']['drafts']} "
               f"drafts {theirs_pos} (closest top-2 gap {gap:.4f})")
     print(f"{family}: {exact} of {len(prompts)} requests drafted and accepted exactly alike")
-    if family == "qwen3":
-        assert exact == len(prompts)
-    else:
-        assert len(stats.accepted_at) == K and all(abs(a - b) <= LLAMA_SLACK for a, b in zip(ours_acc, theirs_acc)), (
-            ours_acc, theirs_acc)
+    assert exact == len(prompts)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from verispec.models import load_model
+
+    work = tmp_path_factory.mktemp("qwen3")
+    make_target("qwen3", work / "target")
+    return load_model(str(work / "target"), dtype=torch.float32), work
+
+
+@pytest.mark.parametrize("method", ["peagle", "dflash", "dspark"])
+def test_parallel_drafters_in_vllm(method, qwen3, capsys):
+    """P-EAGLE and DFlash drafters exported here run in vLLM with the printed config, with verispec's
+    greedy outputs and, per position, its acceptance within PARALLEL_SLACK (seen: P-EAGLE identical,
+    111 / 111 drafts; DFlash 0.632 / 0.472 / 0.311 against 0.626 / 0.467 / 0.308). vLLM 0.32's CPU build
+    refuses DSpark; its own error is what the test expects there."""
+    target, work = qwen3
+    folder = work / "target"
+    ev = train_drafter(target, folder, work, method, out=method)
+    spec = export_config(work / method, folder, capsys)
+    want = {"peagle": {"method": "eagle3", "parallel_drafting": True}, "dflash": {"method": "dflash"},
+            "dspark": {"method": "dspark"}}[method]
+    assert spec == {**want, "model": str(work / method), "num_speculative_tokens": K}
+    prompts = [random_ids(n, VOCAB, seed=700 + 13 * i + n)[0].tolist() for i, n in enumerate((5, 7, 4, 9, 6, 8, 3, 10))]
+    ours, stats, per_request, _ = verispec_run(target, work / method, prompts)
+    assert stats.acceptance_unconditional[0] > 0.3, ev
+    try:
+        w = V.VllmWorker(folder, "float32", 128, torch.get_num_threads(), spec,
+                         llm_kwargs={"skip_tokenizer_init": True, "enforce_eager": True})
+    except V.VllmError as e:
+        print(f"{method}: vLLM refuses it: {str(e)[:300]}")
+        assert method == "dspark" and "does not support: dspark" in str(e), e
+        return
+    try:
+        replies = [w.generate(p, MAX_TOKENS) for p in prompts]
+    finally:
+        w.close()
+    for p, a, r in zip(prompts, ours, replies):
+        assert a == r["tokens"], divergence_report(target, p, a, r["tokens"])
+    drafts = sum(r["spec"]["drafts"] for r in replies)
+    theirs_acc = [sum(r["spec"]["accepted_per_pos"][i] for r in replies) / drafts for i in range(K)]
+    ours_acc = stats.acceptance_unconditional
+    print(f"{method}: per-position acceptance verispec {[round(x, 3) for x in ours_acc]} vLLM "
+          f"{[round(x, 3) for x in theirs_acc]} ({stats.drafts} / {drafts} drafts)")
+    assert all(abs(a - b) <= PARALLEL_SLACK for a, b in zip(ours_acc, theirs_acc)), (ours_acc, theirs_acc)
