@@ -291,8 +291,10 @@ class DFlashDrafter(DrafterBase):
             return
         aux = torch.cat([hidden[i] for i in self.target_taps], -1)[None]  # [1, n, 3H]
         n = aux.shape[1]
-        if start + n > self.max_len:
+        if start + n > self.max_len:  # rows past the cache: the sequence stops drafting there
             n = self.max_len - start
+            if n <= 0:
+                return
             aux = aux[:, :n]
         ctx = self.model.context(aux)
         pos = torch.arange(start, start + n, device=self.device)[None]
@@ -336,31 +338,24 @@ class DFlashDrafter(DrafterBase):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         S = self.model.config.block_size
-        idx = []
-        for i, (s, k) in enumerate(zip(seqs, ks)):
-            if k <= 0:
-                continue
-            st = self._state(s)
-            p = len(s.tokens) - 1  # the anchor: the last committed token, whose state comes next
-            if p < 1 or st.n_obs < p:  # the context must reach the anchor
-                continue
-            idx.append(i)
+        idx = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and self._ready(s)]
         if not idx:
             return drafts
         run = [seqs[i] for i in idx]
         budgets = [min(ks[i], S - 1) for i in idx]
         logits = self.block_logits([s.drafter_state.slot for s in run], [len(s.tokens) - 1 for s in run],
                                    [s.tokens[-1] for s in run])
-        slot_logits = [self._full(logits[b, 1 : 1 + k]) for b, k in enumerate(budgets)]  # [k, V] per sequence
-
-        def step(run_nodes, nodes):  # a node's children come from the next slot's distribution
-            return [torch.stack([slot_logits[b][nodes[b][i].depth] for i in r]) if r else None
-                    for b, r in enumerate(run_nodes)]
-
-        out = expand.draft(run, budgets, torch.stack([sl[0] for sl in slot_logits]), step)
+        # slots 1..k: the distributions of draft depths 1..k, full vocabulary [k, V]
+        out = expand.draft_parallel(run, budgets, [self._full(logits[b, 1 : 1 + k]) for b, k in enumerate(budgets)])
         for b, i in enumerate(idx):
             drafts[i] = out[b]
         return drafts
+
+    def _ready(self, s: Sequence) -> bool:
+        """The context reaches the anchor (the last committed token, whose state comes next)."""
+        st = self._state(s)
+        p = len(s.tokens) - 1
+        return p >= 1 and st.n_obs >= p
 
     def release(self, seq: Sequence) -> None:
         if seq.drafter_state is not None:

@@ -180,11 +180,6 @@ class DSparkDrafter(DFlashDrafter):
             drafts[i] = _with_confidence(d, lambda k, prev, b=b: slot(b, k, prev)[1], anchors[b])
         return drafts
 
-    def _ready(self, s: Sequence) -> bool:
-        st = self._state(s)
-        p = len(s.tokens) - 1
-        return p >= 1 and st.n_obs >= p
-
 
 def _with_confidence(d: Draft, confidence, anchor: torch.Tensor) -> Draft:
     """The draft with each node's feature replaced by its calibrated confidence logit, read from its

@@ -50,6 +50,19 @@ def draft(seqs, budgets: list[int], root_logits: torch.Tensor, step: Step) -> li
     return _trees(seqs, budgets, root_logits, step)
 
 
+def draft_parallel(seqs, budgets: list[int], depth_logits: list[torch.Tensor]) -> list[Draft]:
+    """Chains or trees for a drafter whose one forward gave every depth's distribution at once,
+    independent of the tokens drafted before it (P-EAGLE, DFlash): depth_logits[b] [k_b, V] is
+    sequence b's full-vocabulary logits for depths 1..k_b; a node's children come from the next
+    depth's row whatever the node's token."""
+
+    def step(run, nodes):
+        return [torch.stack([depth_logits[b][nodes[b][i].depth] for i in r]) if r else None
+                for b, r in enumerate(run)]
+
+    return draft(seqs, budgets, torch.stack([d[0] for d in depth_logits]), step)
+
+
 def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
     B = len(seqs)
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]

@@ -152,15 +152,10 @@ class PEagleDrafter(Eagle3Drafter):
         budgets = [ks[i] for i in idx]
         mask_in = (self.model.config.mask_token_id, self.model.mask_state().to(self.dtype))
         _, logits, feeds = self._catch_up(run, [k - 1 for k in budgets], mask_in)
-        # depth_logits[b][d]: the distribution of draft depth d + 1, full vocabulary [V]
+        # sequence b's distributions of draft depths 1..k, full vocabulary [k, V]
         depth_logits = [self._full(logits[b, e - a - 1 : e - a - 1 + k]) for b, ((a, e), k) in
                         enumerate(zip(feeds, budgets))]
-
-        def step(run_nodes, nodes):  # a node's children are drawn from the next depth's distribution
-            return [torch.stack([depth_logits[b][nodes[b][i].depth] for i in r]) if r else None
-                    for b, r in enumerate(run_nodes)]
-
-        out = expand.draft(run, budgets, torch.stack([d[0] for d in depth_logits]), step)
+        out = expand.draft_parallel(run, budgets, depth_logits)
         for b, i in enumerate(idx):
             drafts[i] = out[b]
         return drafts
