@@ -116,6 +116,37 @@ def test_padding_does_not_change_real_rows(llama):
     torch.testing.assert_close(padded[0][1, :6], full[0][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded[1][1, :5], full[1][0, :5], atol=1e-5, rtol=1e-5)
 
+@torch.no_grad()
+@pytest.mark.parametrize("flags", [{}, {"fc_norm": True, "norm_output": True}, {"num_layers": 2}])
+def test_unroll_at_anchor_rows_equals_the_full_unroll(llama, flags):
+    """Training at the response anchors only (the head and the later steps skip the other rows) gives
+    each anchor the drafts the full unroll gives it, wherever the drafted token exists."""
+    from verispec.train.losses import response_anchors
+
+    _, target = llama
+    m = random_eagle(target, draft_vocab=64, **flags)
+    B, T = 3, 14
+    ids = random_ids(T, 160, seed=8, batch=B)
+    out = target(ids, target.new_cache(B, 32), list(range(B)), torch.zeros(B, dtype=torch.long),
+                 taps=tuple(m.config.aux_layers))
+    aux = torch.cat([out.hidden[i] for i in m.config.aux_layers], -1)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[2, 10:] = False
+    mask = torch.zeros_like(valid)
+    mask[0, 4:], mask[1, 9:], mask[2, 2:10] = True, True, True  # response tokens (prompts of 4, 9, 2)
+    anchors = response_anchors({"mask": mask, "valid": valid})
+    assert anchors[0].tolist() == list(range(3, 12)) and anchors[1, :4].tolist() == [8, 9, 10, 11]
+    assert (anchors[1, 4:] == T - 1).all() and anchors[2, :7].tolist() == list(range(1, 8))
+    full = m(aux, ids, valid, steps=4)
+    part = m(aux, ids, valid, steps=4, anchors=anchors)
+    for s in range(4):
+        assert part[s].shape == (B, anchors.shape[1], 64)
+        for b in range(B):
+            for j, a in enumerate(anchors[b].tolist()):
+                if a + 2 + s < T and valid[b, a + 2 + s]:
+                    torch.testing.assert_close(part[s][b, j], full[s][b, a], atol=1e-5, rtol=1e-5)
+
+
 
 def test_one_row_step_under_autocast(llama):
     """Training runs the head under bf16 autocast on fp32 weights, so one-row inputs reach the shared

@@ -116,6 +116,14 @@ def test_loss_only_on_masked_positions_and_zero_for_target_copy(tiny):
         l0, m0 = eagle3_loss(perfect, b, head, None, d2t, t2d, 0.8)
         assert abs(float(l0)) < 1e-5
         assert float(m0["acc_0"][0] / m0["acc_0"][1]) > 0.9  # greedy data: target argmax == data token (in the draft vocab)
+        # training at the response anchors only: the same acceptance counts as the full unroll
+        from verispec.train.losses import response_anchors
+        a = response_anchors(b)
+        part = model(b["aux"].float(), b["ids"], b["valid"], steps=2, anchors=a)
+        la, ma = eagle3_loss(part, b, head, None, d2t, t2d, 0.8, anchors=a)
+        for k in ("acc_0", "acc_all_0", "acc_1", "acc_all_1"):
+            assert torch.equal(ma[k][0], m1[k][0]) and torch.equal(ma[k][1], m1[k][1]), k
+        assert torch.isfinite(la) and float(ma["acc_0"][1]) > 0
 
 
 def _cfg(data, out, **kw):

@@ -283,16 +283,16 @@ class Eagle3Model(DraftHead):
             aux = torch.cat([nrm(a) for nrm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
         return linear(aux, self.fc.weight)
 
-    def step(self, ids, hidden, positions, kvs):
-        """One draft step: ids [B, T] tokens, hidden [B, T, H] (fused target state, or the previous
-        step's output), positions [B, T]; kvs[l](k, v) -> (K, V, mask) per layer (models.layers).
-        Returns (next hidden [B, T, H], draft logits [B, T, Vd] fp32)."""
+    def step_states(self, ids, hidden, positions, kvs):
+        """One draft step without the LM head: ids [B, T] tokens, hidden [B, T, H] (fused target
+        state, or the previous step's output), positions [B, T]; kvs[l](k, v) -> (K, V, mask) per
+        layer (models.layers). Returns (next hidden [B, T, H], post-norm state [B, T, H] for the head)."""
         x = torch.cat([self.embed(ids).to(hidden.dtype), hidden], -1)
         y = self.run_layers(x, positions, kvs, hidden.dtype)
         if self.config.norm_output:  # EAGLE 3.1: the next step reads the post-norm state
             y = self.norm(y)
-            return y, self.head_logits(y)
-        return y, self.head_logits(self.norm(y))
+            return y, y
+        return y, self.norm(y)
 
     # ---- checkpoint (speculators format) ----------------------------------------------------------
     def config_json(self, dtype_name: str) -> dict:

@@ -173,18 +173,30 @@ class DraftHead(nn.Module):
         """Post-norm state -> fp32 logits over the draft vocabulary."""
         return linear(y, self.lm_head.weight).float()
 
+    def step(self, ids, hidden, positions, kvs):
+        """One draft step (`step_states` of the subclass, then the LM head): returns (next hidden
+        [B, T, H], draft logits [B, T, Vd] fp32)."""
+        hidden, out = self.step_states(ids, hidden, positions, kvs)
+        return hidden, self.head_logits(out)
+
     # ---- training: training-time test unrolling ---------------------------------------------------
-    def forward(self, aux: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+    def forward(self, aux: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, steps: int = 3,
+                anchors: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Unroll `steps` draft steps over whole sequences (teacher-forced tokens, own hidden states).
 
-        aux   [B, T, n*H]  target states g_0 .. g_{T-1} for tokens x_0 .. x_{T-1}
-        ids   [B, T]       tokens x_0 .. x_{T-1}
-        valid [B, T] bool  real (not padding) tokens
+        aux     [B, T, n*H]  target states g_0 .. g_{T-1} for tokens x_0 .. x_{T-1}
+        ids     [B, T]       tokens x_0 .. x_{T-1}
+        valid   [B, T] bool  real (not padding) tokens
+        anchors [B, R]       optional: the anchor rows (0 <= i <= T - 2) whose drafts are wanted
         Returns logits per step: out[s][b, i] ([B, T-1, Vd]) is the draft's distribution for token
-        x_{i+2+s} from anchor row i (target state g_i, then tokens x_{i+1} .. x_{i+1+s}).
+        x_{i+2+s} from anchor row i (target state g_i, then tokens x_{i+1} .. x_{i+1+s}); with
+        `anchors`, out[s][b, j] ([B, R, Vd]) is that of anchor row anchors[b, j].
 
         Step s attends the step-0 keys causally and, for every earlier step j in 1..s, only the key of
         the same row (the draft chain of that anchor) -- exactly what serving sees in its KV cache.
+        With `anchors`, step 0 still runs every row (each is context for the anchors after it), but
+        the LM head and the later steps run the anchor rows only: training on response tokens skips
+        the prompt's rows (and padding), which carry no loss, in all but the first step's layers.
         """
         B, T = ids.shape
         n = T - 1
@@ -196,20 +208,46 @@ class DraftHead(nn.Module):
         diag = torch.eye(n, dtype=torch.bool, device=dev)[None, None].expand(B, 1, n, n)
         causal = ((rows[None, :] <= rows[:, None])[None, None] & kvalid[:, None, None, :]) | diag  # [B, 1, n, n]
         past = [([], []) for _ in self.layers]
-        out = []
-        for s in range(steps):
-            tok = torch.cat([ids[:, 1 + s :], ids.new_zeros(B, s)], 1)[:, :n] if s else ids[:, 1:]
-            mask = torch.cat([causal] + [diag] * s, dim=-1)  # [B, 1, n, (s+1) n]
 
+        def kvs(mask):
             def make_kv(l):
                 def kv(k, v):
                     past[l][0].append(k)
                     past[l][1].append(v)
                     return torch.cat(past[l][0], 2), torch.cat(past[l][1], 2), mask
                 return kv
+            return [make_kv(l) for l in range(len(self.layers))]
 
-            hidden, logits = self.step(tok, hidden, positions + s, [make_kv(l) for l in range(len(self.layers))])
+        if anchors is not None:
+            return self._forward_anchors(ids, hidden, positions, kvalid, causal, kvs, steps, anchors)
+        out = []
+        for s in range(steps):
+            tok = torch.cat([ids[:, 1 + s :], ids.new_zeros(B, s)], 1)[:, :n] if s else ids[:, 1:]
+            mask = torch.cat([causal] + [diag] * s, dim=-1)  # [B, 1, n, (s+1) n]
+            hidden, logits = self.step(tok, hidden, positions + s, kvs(mask))
             out.append(logits)
+        return out
+
+    def _forward_anchors(self, ids, hidden, positions, kvalid, causal, kvs, steps, anchors):
+        """`forward` at the anchor rows only (see there): step 0 over all n rows, its outputs taken
+        at the anchors; steps 1.. over the R anchors, attending step 0's keys up to their own row and
+        their own earlier steps' keys."""
+        B, T = ids.shape
+        n, R = T - 1, anchors.shape[1]
+        dev = ids.device
+        a = anchors.clamp(0, n - 1)  # [B, R]
+        rows = torch.arange(n, device=dev)
+        take = lambda t: t.gather(1, a[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731  [B, n, X] -> [B, R, X]
+        hidden, state = self.step_states(ids[:, 1:], hidden, positions, kvs(causal))
+        hidden = take(hidden)
+        out = [self.head_logits(take(state))]
+        context = ((rows[None, None, :] <= a[:, :, None]) & kvalid[:, None, :]) | (rows[None, None, :] == a[:, :, None])
+        own = torch.eye(R, dtype=torch.bool, device=dev)[None].expand(B, R, R)  # [B, R, R] same anchor
+        for s in range(1, steps):
+            tok = ids.gather(1, (a + 1 + s).clamp(max=T - 1))  # x_{i+1+s} (clamped past the end: no loss there)
+            mask = torch.cat([context] + [own] * s, dim=-1)[:, None]  # [B, 1, R, n + s R]
+            hidden, state = self.step_states(tok, hidden, a + 1 + s, kvs(mask))
+            out.append(self.head_logits(state))
         return out
 
     # ---- checkpoint: a folder of config.json + model.safetensors ------------------------------------

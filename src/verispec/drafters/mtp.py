@@ -44,11 +44,11 @@ class MTPModel(DraftHead):
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         return aux.to(self.eh_proj.weight.dtype)
 
-    def step(self, ids, hidden, positions, kvs):
+    def step_states(self, ids, hidden, positions, kvs):
         e = self.embed(ids).to(hidden.dtype)
         x = linear(torch.cat([self.enorm(e), self.hnorm(hidden)], -1), self.eh_proj.weight)
         y = self.run_layers(x, positions, kvs, hidden.dtype)
-        return y, self.head_logits(self.norm(y))
+        return y, self.norm(y)
 
     # ---- checkpoint (verispec format: the config's fields as they are) ------------------------------
     def config_json(self, dtype_name: str) -> dict:

@@ -115,6 +115,46 @@ def collate(samples: list[Sample]) -> dict:
     return out
 
 
+class TargetStates:
+    """--no-hidden data: the target's states (aux, last) of each sample, computed on first use and
+    kept in memory (bf16, about 5 KB a token for a 640-wide target with three fused layers) up to
+    `budget_bytes`, so that every epoch after the first skips the target's forward.
+
+    Each sample runs alone (batch 1): no padding rows are computed, and a sample's states never
+    depend on the batch it arrives in, so a resumed run sees exactly the states of an uninterrupted one."""
+
+    def __init__(self, target, layers: list[int], budget_bytes: float = 6 * 2**30):
+        self.target, self.layers, self.budget = target, list(layers), budget_bytes
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bytes = 0
+
+    @torch.no_grad()
+    def _compute(self, s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.target
+        ids = s.ids.to(t.device)[None]
+        out = t(ids, t.new_cache(1, ids.shape[1]), [0], torch.zeros(1, dtype=torch.long), taps=tuple(self.layers),
+                want_logits=False)
+        aux = torch.cat([out.hidden[i] for i in self.layers], -1)[0].to(torch.bfloat16).cpu()
+        return aux, out.last_hidden[0].to(torch.bfloat16).cpu()
+
+    def samples(self, data: "HiddenStateData", idx: list[int]) -> list[Sample]:
+        """The samples `idx` of `data` with their states attached (stored ones as they are)."""
+        out = []
+        for j in idx:
+            s = data.samples[j]
+            if s.aux is None:
+                st = self.kept.get(j)
+                if st is None:
+                    st = self._compute(s)
+                    size = sum(x.numel() * x.element_size() for x in st)
+                    if self.bytes + size <= self.budget:
+                        self.kept[j] = st
+                        self.bytes += size
+                s = Sample(s.ids, s.mask, *st)
+            out.append(s)
+        return out
+
+
 @torch.no_grad()
 def online_states(target, batch: dict, layers: list[int]) -> dict:
     """--no-hidden data: run the target over the batch to get aux / last (right padding is harmless

@@ -32,8 +32,21 @@ def target_logits(last: torch.Tensor, head_rows: torch.Tensor, softcap: float | 
     return z
 
 
+def response_anchors(batch: dict) -> torch.Tensor:
+    """The anchor rows the engine drafts from, per sample: i with x_{i+1} and x_{i+2} response tokens
+    (i <= T - 3). Returns [B, R] sorted rows, right-padded with T - 1 (past every real row: no loss,
+    no metric)."""
+    ok = batch["mask"] & batch["valid"]
+    B, T = ok.shape
+    cand = ok[:, 1 : T - 1] & ok[:, 2:]  # [B, T-2] row i
+    R = max(1, int(cand.sum(1).max()))
+    rows = torch.arange(T - 2, device=ok.device).expand(B, -1)
+    key = torch.where(cand, rows, rows + T)  # real rows first, in order
+    return torch.where(key.sort(1).values[:, :R] < T, key.sort(1).values[:, :R], T - 1)
+
+
 def eagle3_loss(
-    step_logits: list[torch.Tensor],  # per step [B, T-1, Vd] (row i = anchor i)
+    step_logits: list[torch.Tensor],  # per step [B, A_s, Vd]: the drafts of the step's anchor rows
     batch: dict,  # ids [B, T], mask [B, T], valid [B, T], last [B, T, H]
     head_rows: torch.Tensor,  # [Vd, H] the target's LM head rows of the draft vocabulary
     softcap: float | None,
@@ -43,51 +56,63 @@ def eagle3_loss(
     kind: str = "kl",
     reduce=None,  # sums a tensor over data-parallel ranks (None: single process)
     rows: list[torch.Tensor] | None = None,  # per step the anchor rows its logits cover (P-EAGLE's COD)
+    anchors: torch.Tensor | None = None,  # [B, R] the anchor rows of every step (`response_anchors`)
 ) -> tuple[torch.Tensor, dict]:
+    """The step logits cover anchor rows 0, 1, .. (default), `rows[s]` (shared by the batch) or
+    `anchors` (per sample). KL(p || q) = sum p log p - sum p z + logsumexp(z) for draft logits z,
+    with p and sum p log p computed once per batch: no [.., Vd] log-softmax per step."""
     ids, mask, valid = batch["ids"], batch["mask"], batch["valid"]
-    T = ids.shape[1]
+    B, T = ids.shape
     ok = mask & valid
-    tl = None
+    p = neg_entropy = None
     if kind == "kl":
         with torch.no_grad():
-            tl = target_logits(batch["last"][:, 1 : T - 1], head_rows, softcap)  # position i+1 for i in 0..T-3
-            logp = tl.log_softmax(-1)
+            logp = target_logits(batch["last"], head_rows, softcap).log_softmax(-1)  # [B, T, Vd] after x_t
+            p = logp.exp()
+            neg_entropy = (p * logp).sum(-1)  # [B, T]
+            del logp
+    elif kind != "ce":
+        raise ValueError(f"unknown loss {kind!r} (kl or ce)")
+    at = lambda t, idx: t.gather(1, idx.clamp(0, T - 1))  # noqa: E731  [B, T] -> [B, A]
     total = torch.zeros((), device=ids.device)
     metrics = {}
-    prev_ok = torch.ones(ids.shape[0], max(T - 1, 0), dtype=torch.bool, device=ids.device)  # [B, anchors]
+    prev_ok = torch.ones(B, T, dtype=torch.bool, device=ids.device)  # [B, anchor row] (row T - 1: padding)
     for s, logits in enumerate(step_logits):
-        n = T - 2 - s
-        if n <= 0:
+        if T - 2 - s <= 0:
             break
-        r = torch.arange(n, device=ids.device) if rows is None else rows[s].to(ids.device)
-        sel = r < n  # anchors whose token x_{i+2+s} exists
-        r, lg = r[sel], logits[:, : len(sel)][:, sel].float()  # [A], [B, A, Vd]
-        tgt_tok = ids[:, 2 + s + r]
-        m = ok[:, 2 + s + r]
-        logq = lg.log_softmax(-1)
+        if anchors is not None:
+            r = anchors
+        else:
+            r = (torch.arange(logits.shape[1], device=ids.device) if rows is None else rows[s].to(ids.device))
+            r = r[None].expand(B, -1)
+        lg = logits.float()  # [B, A, Vd]
+        tok_pos = 2 + s + r  # the token row r drafts at step s
+        inside = tok_pos < T
+        tgt_tok = at(ids, tok_pos)
+        scored = at(ok, tok_pos) & inside  # a response token to draft
+        m = scored
+        lse = lg.logsumexp(-1)
         if kind == "kl":
-            lp = logp[:, s + r]
-            per = (lp.exp() * (lp - logq)).sum(-1)
-        elif kind == "ce":
+            pr = p.gather(1, (tok_pos - 1).clamp(0, T - 1)[..., None].expand(-1, -1, p.shape[-1]))  # [B, A, Vd]
+            per = at(neg_entropy, tok_pos - 1) - (pr * lg).sum(-1) + lse
+            del pr
+        else:
             d = t2d_ids[tgt_tok]
             m = m & (d >= 0)
-            per = -logq.gather(-1, d.clamp_min(0)[..., None])[..., 0]
-        else:
-            raise ValueError(f"unknown loss {kind!r} (kl or ce)")
+            per = lse - lg.gather(-1, d.clamp_min(0)[..., None])[..., 0]
         cnt = m.sum().float()
-        num = (per * m).sum()
+        num = torch.where(m, per, torch.zeros_like(per)).sum()
         den = reduce(cnt.detach().clone()) if reduce else cnt
         total = total + (decay**s) * num / den.clamp_min(1.0)
         with torch.no_grad():
             # acceptance at the anchors the engine drafts from: x_{i+1} is a response token (the
             # first response token comes from the prefill, never from a draft); a data token
             # outside the draft vocabulary counts as a miss, as it does in the engine
-            ma = ok[:, 2 + s + r] & ok[:, 1 + r]
-            pred = d2t_ids[lg.argmax(-1)]
-            correct = (pred == tgt_tok) & ma
-            all_ok = correct & prev_ok[:, r]  # with COD, r is a subset of the last step's anchors
+            ma = scored & at(ok, r + 1)
+            correct = (d2t_ids[lg.argmax(-1)] == tgt_tok) & ma
+            all_ok = correct & prev_ok.gather(1, r.clamp(max=T - 1))  # with COD, r is a subset of the last step's anchors
             prev_ok = torch.zeros_like(prev_ok)
-            prev_ok[:, r] = all_ok
+            prev_ok.scatter_(1, r.clamp(max=T - 1), all_ok)
             metrics[f"loss_{s}"] = (num.detach(), cnt)
             metrics[f"acc_{s}"] = (correct.sum().float(), ma.sum().float())
             metrics[f"acc_all_{s}"] = (all_ok.sum().float(), ma.sum().float())

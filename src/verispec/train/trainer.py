@@ -31,8 +31,8 @@ import torch
 
 from ..drafters.eagle3 import Eagle3Config, Eagle3Model, build_vocab_mapping
 from ..drafters.peagle import cod_rows
-from .dataset import HiddenStateData, collate, global_batch, online_states
-from .losses import block_loss, eagle3_loss, sample_anchors, summarize
+from .dataset import HiddenStateData, TargetStates, collate, global_batch
+from .losses import block_loss, eagle3_loss, response_anchors, sample_anchors, summarize
 
 
 @dataclass
@@ -68,6 +68,7 @@ class TrainConfig:
     markov_rank: int = 256  # DSpark: rank of the Markov head
     export_dtype: str = "bfloat16"
     progress: bool = True
+    state_cache_gb: float = 6.0  # --no-hidden data: the target states kept in memory between epochs
     stop_after: int | None = None  # leave after this many steps of this run (as if killed after a checkpoint)
     extra: dict = field(default_factory=dict)
 
@@ -190,12 +191,17 @@ def forward_loss(model, net, batch: dict, cfg: TrainConfig, head, cap, d2t, t2d,
         logits, conf = torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
         return block_loss(logits, anchors, ok, batch, head, cap, d2t, t2d, kind="dspark", reduce=reduce, first_slot=0,
                           confidence=conf)
-    kw = {}
-    if cfg.method == "peagle" and not evaluation:  # COD: each depth on a random subset of the anchors before
-        c = model.config
-        kw["rows"] = cod_rows(batch["ids"].shape[1] - 1, cfg.ttt_steps, c.cod_ratio, c.cod_ratio_min)
-    outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps, **kw)
-    return eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce, rows=kw.get("rows"))
+    if cfg.method == "peagle":
+        kw = {}
+        if not evaluation:  # COD: each depth on a random subset of the anchors before
+            c = model.config
+            kw["rows"] = cod_rows(batch["ids"].shape[1] - 1, cfg.ttt_steps, c.cod_ratio, c.cod_ratio_min)
+        outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps, **kw)
+        return eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce, rows=kw.get("rows"))
+    # EAGLE-3 / MTP: the head and the later unroll steps run at the response anchors only
+    anchors = response_anchors(batch)
+    outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps, anchors=anchors)
+    return eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce, anchors=anchors)
 
 
 def _inputs(model, batch: dict) -> torch.Tensor:
@@ -350,17 +356,16 @@ def _autocast(on: bool, device):
 
 
 def evaluate(model: Eagle3Model, target, data: HiddenStateData, idx: list[int], cfg: TrainConfig, batch_size: int = 8,
-             dist: Dist | None = None) -> dict:
+             dist: Dist | None = None, states: TargetStates | None = None) -> dict:
     """Per-position acceptance estimates on held-out samples (greedy data: P(draft == target's token))."""
     if not idx:
         return {}
+    states = states or TargetStates(target, data.layers, 0)
     head, cap, d2t, t2d = _head(model, target)
     acc: dict = {}
     with torch.no_grad():
         for i in range(0, len(idx), batch_size):
-            b = collate([data.samples[j] for j in idx[i : i + batch_size]])
-            if "aux" not in b:
-                b = online_states(target, b, data.layers)
+            b = collate(states.samples(data, idx[i : i + batch_size]))
             with _autocast(cfg.bf16, target.device):
                 _, m = forward_loss(model, model, b, cfg, head, cap, d2t, t2d, evaluation=True)
             for k, (a, n) in m.items():
@@ -422,6 +427,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
             trim_log(log_path, step)
             print(f"resuming from {ck} at step {step}/{total}", flush=True)
     net = DDP(model) if dist.world > 1 else model
+    states = TargetStates(target, data.layers, cfg.state_cache_gb * 2**30)
     head, cap, d2t, t2d = _head(model, target)
     reduce = dist.reduce if dist.world > 1 else None
     bar = None
@@ -435,9 +441,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
     while step < total:
         gb = global_batch(train_idx, cfg.batch_size, cfg.seed, step)
         local = gb[dist.rank :: dist.world]
-        batch = collate([data.samples[j] for j in local])
-        if "aux" not in batch:
-            batch = online_states(target, batch, data.layers)
+        batch = collate(states.samples(data, local))
         model.train()
         with _autocast(cfg.bf16, target.device):
             loss, m = forward_loss(model, net, batch, cfg, head, cap, d2t, t2d, reduce)
@@ -461,7 +465,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}",
                                 acc="/".join(f"{r.get(f'acc_{s}', 0):.2f}" for s in range(cfg.ttt_steps)))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-            ev = evaluate(model, target, data, val_idx, cfg, dist=dist)
+            ev = evaluate(model, target, data, val_idx, cfg, dist=dist, states=states)
             if dist.main and ev:
                 print(f"\nstep {step}: held-out acceptance per position {[round(x, 3) for x in ev['acceptance_conditional']]}"
                       f", expected tau {ev['expected_tau']:.3f}", flush=True)
@@ -475,7 +479,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
             return {"stopped_at": step}
     if bar is not None:
         bar.close()
-    ev = evaluate(model, target, data, val_idx, cfg, dist=dist)
+    ev = evaluate(model, target, data, val_idx, cfg, dist=dist, states=states)
     if cfg.method == "dspark" and dist.main and val_idx:
         from .calibration import calibrate_dspark
 
