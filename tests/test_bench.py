@@ -162,6 +162,29 @@ def test_equality_check_catches_a_broken_acceptor(tiny, monkeypatch):
     assert rep["summary"]["ngram@policy=fixed"]["equality"]["identical"] < 3
 
 
+def test_sampled_runs_report_speed_and_tau_without_an_output_comparison(tiny, capsys):
+    hf, ours, prompts = tiny
+    methods = verispec_methods(ours, None, "tiny", ["ngram@policy=fixed"], 4, "float32", ["normal"], 64,
+                               factories=FACTORIES, temperature=1.0)
+    traces = run_interleaved(methods, prompts, 12, rounds=2)
+    by = lambda name: {(t.prompt, t.round): t.output_ids for t in traces if t.method == name}  # noqa: E731
+    plain = by("plain")
+    # seeded per prompt: the same prompt samples the same text in every round
+    assert all(plain[(p, 0)] == plain[(p, 1)] for p, _ in plain)
+    greedy = verispec_methods(ours, None, "tiny", [], 4, "float32", ["normal"], 64)[0]
+    assert any(plain[(p.id, 0)] != greedy.run(p.ids, 12)[0] for p in prompts)  # it did sample
+    rep = R.build(traces, methods, prompts, {"temperature": 1.0}, env={"x": 1})
+    s = rep["summary"]["ngram@policy=fixed"]
+    assert "equality" not in s and rep["mismatches"] == {} and s["tau"] >= 1 and s["drafted"] > 0
+    assert methods[1].config["temperature"] == 1.0
+    from verispec.cli import main
+
+    assert main(["bench", "--temperature", "1", "--peers", "hf"]) == 2
+    assert "--peers none --concurrency none" in capsys.readouterr().err
+    assert main(["bench", "--temperature", "-1"]) == 2
+    assert "--temperature must be >= 0" in capsys.readouterr().err
+
+
 def test_report_files_are_written_and_parse(tiny, tmp_path):
     from PIL import Image
 

@@ -55,6 +55,10 @@ def add_parser(sub) -> None:
     b.add_argument("--sharegpt-n", type=int, default=80, help="size of the seeded ShareGPT sample (default 80)")
     b.add_argument("--seed", type=int, default=0, help="ShareGPT sample seed")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy, outputs checked token for token against plain decoding; > 0: sampled (seeded "
+                        "per prompt), speed and tau only (losslessness there is --sample-check's distribution test) "
+                        "(default 0)")
     b.add_argument("--stop-at-eos", action="store_true", help="stop at <eos> (default: always --max-tokens tokens)")
     b.add_argument("--modes", type=_list, default=["normal"],
                    help="normal and/or exact (EngineConfig.exact): e.g. normal,exact measures exact mode's cost")
@@ -104,6 +108,11 @@ def _check(args) -> None:
                         ("--sample-n", args.sample_n, 10)):
         if v < lo:
             raise UserError(f"{name} must be >= {lo}, got {v}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.temperature > 0 and (args.peers or args.concurrency):
+        raise UserError("--temperature > 0 measures single-stream speed and tau of verispec's methods only (the peers "
+                        "and the load sweep decode greedily): add --peers none --concurrency none")
     if not args.sweep_via or any(v not in ("engine", "server") for v in args.sweep_via):
         raise UserError(f"--sweep-via takes engine and/or server, got {args.sweep_via}")
     from ..options import QUANT_MODES
@@ -171,7 +180,7 @@ def cmd_bench(args) -> int:
         methods = [m for q, t in targets.items()
                    for m in verispec_methods(t, tok, args.model, args.drafters, args.num_draft_tokens, args.dtype,
                                              args.modes, max_len, ignore_eos, exact_drafters=args.exact_drafters,
-                                             quant=q)]
+                                             quant=q, temperature=args.temperature)]
         methods += _peers(args, max_len, ignore_eos, notes, log)
     except P.PromptSetError as e:
         raise UserError(str(e)) from e
@@ -219,7 +228,7 @@ def cmd_bench(args) -> int:
         "exact_drafters": args.exact_drafters, "rounds": args.rounds, "peers": args.peers,
         "concurrency": args.concurrency, "sweep_via": args.sweep_via, "sweep_rounds": args.sweep_rounds,
         "max_model_len": max_len, "threads": torch.get_num_threads(),
-        "greedy": True, "load_average_at_start": load_at_start, "sample_check": args.sample_check,
+        "greedy": not args.temperature, "temperature": args.temperature, "load_average_at_start": load_at_start, "sample_check": args.sample_check,
         "sample_n": args.sample_n,
     }
     report = R.build(traces, methods, prompts, config, sweep, notes, sampled=sampled,

@@ -52,6 +52,7 @@ def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | Non
     for t in traces:
         by_method[t.method].append(t)
     base = {m.name: m.baseline for m in methods}
+    greedy = not config.get("temperature")
 
     def summ(select) -> dict:
         out = {}
@@ -59,7 +60,7 @@ def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | Non
             ts = [t for t in by_method[m.name] if select(t)]
             if ts:
                 bl = [t for t in by_method[base[m.name]] if select(t)]
-                out[m.name] = summarize(ts, bl)
+                out[m.name] = summarize(ts, bl, compare_outputs=greedy)
         return out
 
     datasets = list(dict.fromkeys(p.dataset for p in prompts))
@@ -88,8 +89,8 @@ def build(traces: list[Trace], methods, prompts, config: dict, sweep: list | Non
     for m in methods:
         if m.name.endswith(" [exact]") and m.name[: -len(" [exact]")] in by_method:
             normal = m.name[: -len(" [exact]")]
-            s = summarize(by_method[m.name], by_method[normal])
-            exact_cost[normal] = {"speed_ratio_exact_over_normal": s["speedup"], "outputs_equal_normal": s["equality"]}
+            s = summarize(by_method[m.name], by_method[normal], compare_outputs=greedy)
+            exact_cost[normal] = {"speed_ratio_exact_over_normal": s["speedup"], "outputs_equal_normal": s.get("equality")}
     if exact_cost:
         report["exact_cost"] = exact_cost
     report["sampled_check"] = sampled
@@ -182,10 +183,15 @@ def acceptance_table(summary: dict) -> str:
     return table(["method", "conditional, k = 1, 2, ...", "unconditional, k = 1, 2, ..."], rows)
 
 
+def _decoding(config: dict) -> str:
+    t = config.get("temperature")
+    return f"sampled at temperature {t} (seeded per prompt)" if t else "greedy"
+
+
 def console(report: dict) -> str:
     c = report["config"]
     out = [f"verispec bench: {c['model']} {c['dtype']}, {len(report['prompts'])} prompts x {c['rounds']} rounds, "
-           f"{c['max_tokens']} new tokens, k={c['num_draft_tokens']}, greedy",
+           f"{c['max_tokens']} new tokens, k={c['num_draft_tokens']}, {_decoding(c)}",
            main_table(report["summary"])]
     if len(report["by_dataset"]) > 1:
         out += ["", group_table(report["by_dataset"])]
@@ -238,7 +244,7 @@ def markdown(report: dict, plots: list[str]) -> str:
     md = [f"# verispec bench — {c['model']} ({c['dtype']})", "",
           f"Created {report['created_utc']}. Command: `{' '.join(report['command'])}`", "",
           f"{len(report['prompts'])} prompts ({', '.join(c['datasets'])}) x {c['rounds']} rounds, "
-          f"{c['max_tokens']} new tokens, greedy, k = {c['num_draft_tokens']}, modes {', '.join(c['modes'])}, "
+          f"{c['max_tokens']} new tokens, {_decoding(c)}, k = {c['num_draft_tokens']}, modes {', '.join(c['modes'])}, "
           f"single stream; methods interleaved per prompt, order rotated every prompt and round.", "",
           f"Machine: {env['cpu']}, {env['logical_cpus']} logical CPUs, torch threads {env['torch_threads']}, "
           f"{env['memory_gib']} GiB, load average at the end {env['load_average']}. Versions: "

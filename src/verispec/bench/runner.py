@@ -9,6 +9,7 @@ per prompt and round (metrics.py).
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,11 +77,14 @@ def build_engine(target, tokenizer, cfg: EngineConfig, drafter_factory=None, pol
     return Engine(target, tokenizer, cfg, drafter, policy=policy)
 
 
-def engine_runner(engine: Engine, ignore_eos: bool = True) -> Callable[[list[int], int], Result]:
-    """Single stream through the engine, stepped by hand so the first token's time is observed."""
+def engine_runner(engine: Engine, ignore_eos: bool = True, temperature: float = 0.0) -> Callable[[list[int], int], Result]:
+    """Single stream through the engine, stepped by hand so the first token's time is observed.
+    temperature > 0: sampled, seeded by the prompt (every method draws with the same seed; their
+    outputs still differ, as speculation consumes random numbers differently)."""
 
     def run(ids: list[int], max_tokens: int) -> Result:
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        seed = zlib.crc32(str(list(ids)).encode()) if temperature > 0 else None
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=temperature, seed=seed)
         t0 = time.perf_counter()
         seq = engine.add_request(ids, sp)
         ttft, first = None, 0
@@ -99,7 +103,8 @@ def engine_runner(engine: Engine, ignore_eos: bool = True) -> Callable[[list[int
 
 def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int, dtype: str, modes: list[str],
                      max_model_len: int, ignore_eos: bool = True, factories: dict | None = None,
-                     exact_drafters: list[str] | None = None, quant: str = "none") -> list[Method]:
+                     exact_drafters: list[str] | None = None, quant: str = "none",
+                     temperature: float = 0.0) -> list[Method]:
     """plain + every drafter, in every mode ("normal", "exact"; exact mode only for `exact_drafters`
     when given); factories: drafter spec -> drafter factory (tests); quant: the target's
     quantization (the names of a quantized target's methods end in [int8] / [int4])."""
@@ -119,7 +124,8 @@ def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int,
             conf = {"engine": "verispec", "drafter": drafter, "tree": tree, "num_draft_tokens": cfg.num_draft_tokens,
                     "draft_policy": policy, "dtype": dtype, "quant": quant,
                     "exact": exact, "max_model_len": max_model_len, "max_batch_size": 1}
-            out.append(Method(name, "verispec", plain, engine_runner(eng, ignore_eos), conf))
+            conf["temperature"] = temperature
+            out.append(Method(name, "verispec", plain, engine_runner(eng, ignore_eos, temperature), conf))
     return out
 
 
