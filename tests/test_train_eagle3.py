@@ -149,6 +149,25 @@ def test_resume_after_kill_is_exact(tiny, tmp_path):
     assert log[-1]["loss"] == straight[-1]["loss"]
 
 
+def test_eval_log_curves_and_a_fresh_start_over_stale_logs(tiny, tmp_path):
+    from PIL import Image
+
+    target, folder, data, _ = tiny
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text('{"step": 1, "loss": 99}\n{"step": 2, "loss": 99}\n')  # no checkpoint
+    (out / "eval_log.jsonl").write_text('{"step": 2, "expected_tau": 9}\n')
+    train(_cfg(data, out, eval_every=2), target)
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6] and all(r["loss"] != 99 for r in log)
+    evals = [json.loads(x) for x in (out / "eval_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2, 4, 6] and evals[0]["expected_tau"] != 9
+    final = json.loads((out / "eval.json").read_text())
+    assert evals[-1]["acceptance_conditional"] == final["acceptance_conditional"]
+    with Image.open(out / "training_curves.png") as im:
+        assert im.size[0] > 500
+
+
 def test_ddp_two_processes_equal_one(tiny, tmp_path):
     target, folder, data, _ = tiny
     common = ["--data", str(data), "--model", str(folder), "--draft-vocab-size", "32", "--ttt-steps", "2",

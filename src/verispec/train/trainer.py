@@ -380,6 +380,21 @@ def evaluate(model: Eagle3Model, target, data: HiddenStateData, idx: list[int], 
     return r
 
 
+def _log_eval(out: Path, step: int, ev: dict) -> None:
+    """Append a held-out evaluation to eval_log.jsonl (records past `step` first dropped: a resumed
+    run evaluates them again) and redraw training_curves.png."""
+    from .curves import plot_run
+
+    path = out / "eval_log.jsonl"
+    trim_log(path, step - 1)
+    rec = {"step": step, "acceptance_conditional": ev["acceptance_conditional"],
+           "acceptance_unconditional": ev["acceptance_unconditional"], "expected_tau": ev["expected_tau"],
+           **{k: v for k, v in ev.items() if k.startswith("loss_")}}
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    plot_run(out)
+
+
 def _head(model: Eagle3Model, target):
     d2t = model.draft_to_target()
     head = target.head_weight()[d2t].detach()
@@ -424,8 +439,10 @@ def train(cfg: TrainConfig, target=None) -> dict:
         if dist.main:
             for leftover in _siblings(ck):  # of a killed save; the checkpoint just loaded is good
                 shutil.rmtree(leftover, ignore_errors=True)
-            trim_log(log_path, step)
             print(f"resuming from {ck} at step {step}/{total}", flush=True)
+    if dist.main:  # records past the checkpoint (all of them when starting over) are written again
+        trim_log(log_path, step)
+        trim_log(out / "eval_log.jsonl", step)
     net = DDP(model) if dist.world > 1 else model
     states = TargetStates(target, data.layers, cfg.state_cache_gb * 2**30)
     head, cap, d2t, t2d = _head(model, target)
@@ -467,6 +484,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
         if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
             ev = evaluate(model, target, data, val_idx, cfg, dist=dist, states=states)
             if dist.main and ev:
+                _log_eval(out, step, ev)
                 print(f"\nstep {step}: held-out acceptance per position {[round(x, 3) for x in ev['acceptance_conditional']]}"
                       f", expected tau {ev['expected_tau']:.3f}", flush=True)
         if step % cfg.save_every == 0 or step == total:
@@ -488,6 +506,8 @@ def train(cfg: TrainConfig, target=None) -> dict:
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[cfg.export_dtype]
         model.save(out, dtype=dtype)
         (out / "eval.json").write_text(json.dumps({"step": step, "held_out_samples": len(val_idx), **ev}, indent=2))
+        if ev:
+            _log_eval(out, step, ev)
         if ev:
             print(f"held-out ({len(val_idx)} samples): acceptance per position (conditional) "
                   f"{[round(x, 3) for x in ev['acceptance_conditional']]}, expected tau {ev['expected_tau']:.3f}",
