@@ -43,6 +43,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--train-lm-head", action="store_true")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: the idle cores)")
+    p.add_argument("--device", default="cpu", help="torch device to train on (default: cpu; cuda trains the "
+                   "target's forward and the drafter on the GPU, one process per GPU under torchrun)")
     p.add_argument("--state-cache-gb", type=float, default=6.0,
                    help="token-id data (--no-hidden): memory for the target states kept between epochs (default 6)")
     p.add_argument("--no-progress", action="store_true")
@@ -79,7 +81,7 @@ def cmd_train(args) -> int:
         save_every=args.save_every, eval_every=args.eval_every, bf16=not args.no_bf16, fc_norm=args.fc_norm,
         norm_output=args.norm_output, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
         train_lm_head=args.train_lm_head, anchors=args.anchors, markov_rank=args.markov_rank,
-        export_dtype=args.export_dtype, state_cache_gb=args.state_cache_gb,
+        export_dtype=args.export_dtype, state_cache_gb=args.state_cache_gb, device=args.device,
         progress=not args.no_progress,
         stop_after=args.stop_after,
     )

@@ -132,8 +132,8 @@ class TargetStates:
     def _compute(self, s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.target
         ids = s.ids.to(t.device)[None]
-        out = t(ids, t.new_cache(1, ids.shape[1]), [0], torch.zeros(1, dtype=torch.long), taps=tuple(self.layers),
-                want_logits=False)
+        out = t(ids, t.new_cache(1, ids.shape[1]), [0], torch.zeros(1, dtype=torch.long, device=t.device),
+                taps=tuple(self.layers), want_logits=False)
         aux = torch.cat([out.hidden[i] for i in self.layers], -1)[0].to(torch.bfloat16).cpu()
         return aux, out.last_hidden[0].to(torch.bfloat16).cpu()
 
@@ -162,7 +162,8 @@ def online_states(target, batch: dict, layers: list[int]) -> dict:
     ids = batch["ids"].to(target.device)
     B, T = ids.shape
     cache = target.new_cache(B, T)
-    out = target(ids, cache, list(range(B)), torch.zeros(B, dtype=torch.long), taps=tuple(layers), want_logits=False)
+    out = target(ids, cache, list(range(B)), torch.zeros(B, dtype=torch.long, device=ids.device), taps=tuple(layers),
+                 want_logits=False)
     batch = dict(batch)
     batch["aux"] = torch.cat([out.hidden[i] for i in layers], -1).to(torch.bfloat16)
     batch["last"] = out.last_hidden.to(torch.bfloat16)

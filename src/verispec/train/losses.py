@@ -218,7 +218,7 @@ def sample_anchors(batch: dict, count: int | None, generator=None) -> tuple[torc
     for b in range(B):
         c = cand[b].nonzero()[:, 0]
         if count is not None and len(c) > count:
-            c = c[torch.randperm(len(c), generator=generator)[:count].sort().values]
+            c = c[torch.randperm(len(c), generator=generator)[:count].sort().values.to(c.device)]
         rows.append(c)
     A = max(1, max(len(r) for r in rows))
     anchors = torch.ones(B, A, dtype=torch.long, device=ok.device)

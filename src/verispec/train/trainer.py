@@ -68,6 +68,7 @@ class TrainConfig:
     markov_rank: int = 256  # DSpark: rank of the Markov head
     export_dtype: str = "bfloat16"
     progress: bool = True
+    device: str = "cpu"  # where the target and the drafter train (cuda: DDP over nccl)
     state_cache_gb: float = 6.0  # --no-hidden data: the target states kept in memory between epochs
     stop_after: int | None = None  # leave after this many steps of this run (as if killed after a checkpoint)
     extra: dict = field(default_factory=dict)
@@ -78,14 +79,18 @@ class TrainConfig:
 
 
 class Dist:
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        self.device = device
+        if device == "cuda" and self.world > 1:  # one GPU per process
+            self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(self.device)
         if self.world > 1:
             import torch.distributed as td
 
             if not td.is_initialized():
-                td.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+                td.init_process_group("nccl" if torch.device(self.device).type == "cuda" else "gloo")
             self.td = td
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -202,6 +207,10 @@ def forward_loss(model, net, batch: dict, cfg: TrainConfig, head, cap, d2t, t2d,
     anchors = response_anchors(batch)
     outs = net(_inputs(model, batch), batch["ids"], batch["valid"], steps=cfg.ttt_steps, anchors=anchors)
     return eagle3_loss(outs, batch, head, cap, d2t, t2d, cfg.step_loss_decay, cfg.loss, reduce, anchors=anchors)
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _inputs(model, batch: dict) -> torch.Tensor:
@@ -365,7 +374,7 @@ def evaluate(model: Eagle3Model, target, data: HiddenStateData, idx: list[int], 
     acc: dict = {}
     with torch.no_grad():
         for i in range(0, len(idx), batch_size):
-            b = collate(states.samples(data, idx[i : i + batch_size]))
+            b = _to(collate(states.samples(data, idx[i : i + batch_size])), target.device)
             with _autocast(cfg.bf16, target.device):
                 _, m = forward_loss(model, model, b, cfg, head, cap, d2t, t2d, evaluation=True)
             for k, (a, n) in m.items():
@@ -398,7 +407,7 @@ def _log_eval(out: Path, step: int, ev: dict) -> None:
 def _head(model: Eagle3Model, target):
     d2t = model.draft_to_target()
     head = target.head_weight()[d2t].detach()
-    t2d = model.target_to_draft(torch.arange(target.config.vocab_size))
+    t2d = model.target_to_draft(torch.arange(target.config.vocab_size, device=head.device))
     return head, target.config.final_logit_softcap, d2t, t2d
 
 
@@ -406,7 +415,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
     """Run (or resume) a training run; returns the final held-out evaluation."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist = Dist()
+    dist = Dist(cfg.device)
     out = Path(cfg.out)
     data = HiddenStateData(cfg.data, cfg.max_len)
     if target is None:
@@ -415,14 +424,14 @@ def train(cfg: TrainConfig, target=None) -> dict:
         name = cfg.model or data.index.get("model")
         if not name:
             raise ValueError("the data index names no target model; pass --model")
-        target = load_model(name, torch.float32 if not cfg.bf16 else torch.bfloat16, "cpu")
+        target = load_model(name, torch.float32 if not cfg.bf16 else torch.bfloat16, dist.device)
     if data.index["hidden_size"] != target.config.hidden_size or data.index["vocab_size"] != target.config.vocab_size:
         raise ValueError(f"{cfg.data} was made for another target (hidden {data.index['hidden_size']}, vocab "
                          f"{data.index['vocab_size']}); this one has {target.config.hidden_size} / {target.config.vocab_size}")
     train_idx, val_idx = data.split(cfg.val_fraction, cfg.seed)
     if not train_idx:
         raise ValueError(f"{cfg.data} holds no training samples")
-    model = build_model(cfg, target, data)
+    model = build_model(cfg, target, data).to(target.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     per_epoch = max(1, len(train_idx) // cfg.batch_size)
@@ -458,7 +467,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
     while step < total:
         gb = global_batch(train_idx, cfg.batch_size, cfg.seed, step)
         local = gb[dist.rank :: dist.world]
-        batch = collate(states.samples(data, local))
+        batch = _to(collate(states.samples(data, local)), target.device)
         model.train()
         with _autocast(cfg.bf16, target.device):
             loss, m = forward_loss(model, net, batch, cfg, head, cap, d2t, t2d, reduce)
