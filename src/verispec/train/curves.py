@@ -57,10 +57,10 @@ def plot_run(out: str | Path) -> Path | None:
     a.set_ylabel("loss")
     a.set_title("loss")
     a.legend(fontsize=8)
-    for s in range(K):  # conditional acceptance on the training batches: acc_all_s / acc_all_{s-1}
-        cond = [r[f"acc_all_{s}"] / r[f"acc_all_{s - 1}"] if s and r.get(f"acc_all_{s - 1}") else
-                (r[f"acc_all_{s}"] if not s else 0.0) for r in train]
-        b.plot(steps, _smooth(cond, n), label=f"position {s + 1}")
+    unc = [_smooth([r[f"acc_all_{s}"] for r in train], n) for s in range(K)]
+    for s in range(K):  # conditional acceptance on the training batches: acc_all_s / acc_all_{s-1}, smoothed first
+        cond = unc[0] if not s else [a / b if b else 0.0 for a, b in zip(unc[s], unc[s - 1])]
+        b.plot(steps, cond, label=f"position {s + 1}")
     b.set_xlabel("step")
     b.set_ylabel("conditional acceptance (greedy)")
     b.set_title("training batches")
