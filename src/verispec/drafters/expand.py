@@ -74,17 +74,19 @@ def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
         for b, s in enumerate(seqs):
             if j >= budgets[b]:
                 continue
-            q = probs(logits[b][None], s.params)[0]
-            qs[b].append(q)
             # confidence feature: the largest probability of the distribution the node is drawn
             # from (greedy: of the unscaled draft distribution, since q is one-hot)
-            if s.params.greedy:  # log max softmax = max - logsumexp, without materialising the softmax
+            if s.params.greedy:  # the argmax, with q = None (the verifier's one-hot rule: the same
+                # acceptance as a one-hot q, without a [V] tensor per node); log max softmax = max - logsumexp
                 lg = logits[b].float()
-                top = math.exp(float(lg.max() - lg.logsumexp(-1)))
+                tok = int(lg.argmax())  # the first maximum, as probs() picks it
+                top = math.exp(float(lg[tok] - lg.logsumexp(-1)))
             else:
-                top = float(q.max())
+                q = probs(logits[b][None], s.params)[0]
+                qs[b].append(q)
+                top, tok = float(q.max()), sample(q, s.generator)
             feats[b].append([logit(top)])
-            nodes[b].append(Node(sample(q, s.generator), len(nodes[b]) - 1, j + 1, 0.0))
+            nodes[b].append(Node(tok, len(nodes[b]) - 1, j + 1, 0.0))
             if j + 1 < budgets[b]:  # its logits are needed only if the chain goes on
                 run[b].append(len(nodes[b]) - 1)
         if not any(run):
@@ -93,6 +95,7 @@ def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
         for b in range(B):
             if run[b]:
                 logits[b] = out[b][0]
+    # greedy chains carry q = None: their tokens are the argmax, a deterministic function of the context
     return [Draft([n.token for n in ns], torch.stack(q) if q else None, features=f) for ns, q, f in zip(nodes, qs, feats)]
 
 

@@ -5,6 +5,8 @@ target model's distribution after x_{i+1+s}: logits recomputed from the stored f
 `last[i+1+s]` through the target's LM head (rows of the draft vocabulary only, then the target's
 final soft-cap), i.e. the target distribution restricted and renormalised to the draft vocabulary
 (as speculators' `verifier_lm_head`). The position counts when x_{i+2+s} is a response token.
+EAGLE-3 and MTP train on `response_anchors` only (x_{i+1} a response token too: the rows the engine
+drafts from), so their logits come for those rows alone (drafters/head.py `forward(anchors=...)`).
 
 Losses: forward KL(p_target || q_draft) (default), or cross-entropy on the data token (`ce`; tokens
 outside the draft vocabulary are skipped). Step s is weighted by decay^s; each step is a mean over
@@ -41,8 +43,8 @@ def response_anchors(batch: dict) -> torch.Tensor:
     cand = ok[:, 1 : T - 1] & ok[:, 2:]  # [B, T-2] row i
     R = max(1, int(cand.sum(1).max()))
     rows = torch.arange(T - 2, device=ok.device).expand(B, -1)
-    key = torch.where(cand, rows, rows + T)  # real rows first, in order
-    return torch.where(key.sort(1).values[:, :R] < T, key.sort(1).values[:, :R], T - 1)
+    key = torch.where(cand, rows, rows + T).sort(1).values[:, :R]  # real rows first, in order
+    return torch.where(key < T, key, T - 1)
 
 
 def eagle3_loss(
