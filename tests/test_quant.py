@@ -60,6 +60,21 @@ def test_kernel_computes_the_dequantized_weight(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("native", [True, False])
+def test_linear_takes_the_packed_kernel_in_every_mode(mode, native, monkeypatch):
+    """`models.layers.linear` sends a packed weight to its kernel for invariant and ordinary calls
+    alike, whatever the CPU's bf16 fast path would pick for a dense weight (the layer-skip drafter
+    runs a quantized target's layers outside invariant mode)."""
+    from verispec.models import layers
+
+    monkeypatch.setattr(layers, "_BF16_NATIVE", [native])
+    pw = PackedWeight(_weight(96, 128, 4).bfloat16(), mode)
+    x = torch.randn(1, 3, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for invariant in (False, True):
+        assert torch.equal(layers.linear(x, pw, invariant=invariant)[0], pw.mm(x[0], invariant))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_rows_do_not_depend_on_the_row_count(mode):
     """Each row of an M-row call has the bits it has alone (bf16, the engine's default), for row
     counts on both sides of the kernels' internal blocking."""

@@ -48,12 +48,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a verify window than in a one-token decode step.
     """
     M = x.numel() // x.shape[-1]
-    if not invariant and x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_native():
-        return F.linear(x, weight, bias)  # oneDNN's bf16 kernels: 2-4x faster than mv for one row here
     if isinstance(weight, PackedWeight):  # int8/int4 (quant.py): rows independent of the row count already
         y = weight.mm(x.reshape(M, x.shape[-1]), invariant)
         y = y if bias is None else y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
+    if not invariant and x.dtype == torch.bfloat16 and x.device.type == "cpu" and bf16_native():
+        return F.linear(x, weight, bias)  # oneDNN's bf16 kernels: 2-4x faster than mv for one row here
     if x.dtype != weight.dtype or (
         not invariant and (x.device.type != "cpu" or x.dtype == torch.float32 or M > 16)
     ):

@@ -59,7 +59,7 @@ def plot_run(out: str | Path) -> Path | None:
     a.legend(fontsize=8)
     unc = [_smooth([r[f"acc_all_{s}"] for r in train], n) for s in range(K)]
     for s in range(K):  # conditional acceptance on the training batches: acc_all_s / acc_all_{s-1}, smoothed first
-        cond = unc[0] if not s else [a / b if b else 0.0 for a, b in zip(unc[s], unc[s - 1])]
+        cond = unc[0] if not s else [x / y if y else 0.0 for x, y in zip(unc[s], unc[s - 1])]
         b.plot(steps, cond, label=f"position {s + 1}")
     b.set_xlabel("step")
     b.set_ylabel("conditional acceptance (greedy)")
