@@ -112,7 +112,7 @@ class _BaseQDrafter(DSparkDrafter):
             if not d.tokens:
                 continue
             h = self.block_states([s.drafter_state.slot], [len(s.tokens) - 1], [s.tokens[-1]])[0]
-            base = self._full(self.model.head_logits(h))[: len(d.tokens)]
+            base = self.model.to_target_vocab(self.model.head_logits(h))[: len(d.tokens)]
             d.q = probs(base, s.params)
         return drafts
 

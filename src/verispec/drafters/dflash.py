@@ -276,7 +276,7 @@ class DFlashDrafter(DrafterBase):
         self.device = model.fc.weight.device
         self.max_len = max_len
         self.cache = KVCache(c.num_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
-        self._d2t = model.draft_to_target()
+        self.columns = model.columns()
 
     def _state(self, seq: Sequence) -> _State:
         if seq.drafter_state is None:
@@ -303,9 +303,6 @@ class DFlashDrafter(DrafterBase):
             self.cache.k[l][st.slot, :, start : start + n] = k[0].to(self.dtype)
             self.cache.v[l][st.slot, :, start : start + n] = v[0].to(self.dtype)
         st.n_obs = start + n
-
-    def _full(self, lg: torch.Tensor) -> torch.Tensor:
-        return self.model.to_target_vocab(lg, self._d2t)
 
     def block_logits(self, slots: list[int], anchors: list[int], anchor_ids: list[int]) -> torch.Tensor:
         """fp32 logits [B, S, Vd] of `block_states`."""
@@ -345,8 +342,8 @@ class DFlashDrafter(DrafterBase):
         budgets = [min(ks[i], S - 1) for i in idx]
         logits = self.block_logits([s.drafter_state.slot for s in run], [len(s.tokens) - 1 for s in run],
                                    [s.tokens[-1] for s in run])
-        # slots 1..k: the distributions of draft depths 1..k, full vocabulary [k, V]
-        out = expand.draft_parallel(run, budgets, [self._full(logits[b, 1 : 1 + k]) for b, k in enumerate(budgets)])
+        # slots 1..k: the distributions of draft depths 1..k, over the draft vocabulary [k, Vd]
+        out = expand.draft_parallel(run, budgets, [logits[b, 1 : 1 + k] for b, k in enumerate(budgets)], self.columns)
         for b, i in enumerate(idx):
             drafts[i] = out[b]
         return drafts

@@ -164,10 +164,10 @@ class DSparkDrafter(DFlashDrafter):
         temps = m.temperatures()
 
         def slot(b: int, k: int, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """Slot k of sequence b after previous tokens prev [n]: full-vocabulary logits [n, V] and
+            """Slot k of sequence b after previous tokens prev [n]: draft-vocabulary logits [n, Vd] and
             calibrated confidence logits [n]."""
             lg, conf = m.heads(h[b, k].expand(len(prev), -1), base[b, k].expand(len(prev), -1), prev.to(self.device))
-            return self._full(lg), conf / float(temps[k])
+            return lg, conf / float(temps[k])
 
         def step(run_nodes, nodes):  # a node at depth d drew its token; its children come from slot d
             return [torch.cat([slot(b, nodes[b][i].depth, torch.tensor([nodes[b][i].token]))[0] for i in r]) if r
@@ -175,7 +175,7 @@ class DSparkDrafter(DFlashDrafter):
 
         anchors = [torch.tensor([s.tokens[-1]]) for s in run]
         root = torch.cat([slot(b, 0, anchors[b])[0] for b in range(len(run))])
-        out = expand.draft(run, budgets, root, step)
+        out = expand.draft(run, budgets, root, step, self.columns)
         for b, (i, d) in enumerate(zip(idx, out)):
             drafts[i] = _with_confidence(d, lambda k, prev, b=b: slot(b, k, prev)[1], anchors[b])
         return drafts

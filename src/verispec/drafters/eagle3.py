@@ -352,7 +352,7 @@ class Eagle3Drafter(DrafterBase):
         self.cache = KVCache(c.num_layers, max_batch, max_len + TREE_SCRATCH, c.num_kv_heads, c.head_dim, self.dtype,
                              self.device)
         self.max_len = max_len + TREE_SCRATCH
-        self._d2t = model.draft_to_target()
+        self.columns = model.columns()
 
     def _state(self, seq: Sequence) -> _State:
         if seq.drafter_state is None:
@@ -398,7 +398,7 @@ class Eagle3Drafter(DrafterBase):
         T = ids.shape[1]
         positions = starts[:, None] + torch.arange(T, device=self.device) + 1  # row i sits at position i + 1
         kvs = [self._kv(l, slots, starts, T) for l in range(len(self.model.layers))]
-        return self.model.step(ids, hidden, positions, kvs)
+        return self.model.step_states(ids, hidden, positions, kvs)
 
     def _ready(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
         """Indices of the sequences that can draft now: a budget, and the target state of every
@@ -417,8 +417,9 @@ class Eagle3Drafter(DrafterBase):
     def _catch_up(self, run: list[Sequence], extra: list[int] | None = None, extra_input=None):
         """One forward over each sequence's rows n_real .. n-1 from the target states (row n-1 is
         always re-run for its output), followed by `extra[b]` rows of `extra_input` = (token id,
-        hidden [H]) (P-EAGLE's mask rows). Returns (h [B, T, H], logits [B, T, Vd], feeds), where
-        feeds[b] = (a, e): sequence b's real rows a .. e-1 sit at [b, 0 : e - a]."""
+        hidden [H]) (P-EAGLE's mask rows). Returns (h [B, T, H], post-norm states [B, T, H], feeds),
+        where feeds[b] = (a, e): sequence b's real rows a .. e-1 sit at [b, 0 : e - a]. The caller
+        runs the LM head on the rows it drafts from (the largest matmul: not on every row)."""
         states = [s.drafter_state for s in run]
         extra = extra or [0] * len(run)
         feeds = []
@@ -437,13 +438,10 @@ class Eagle3Drafter(DrafterBase):
                 ids[b, e - a : e - a + extra[b]] = extra_input[0]
                 hid[b, e - a : e - a + extra[b]] = extra_input[1]
         starts = torch.tensor([a for a, _ in feeds], device=self.device)
-        h, logits = self._run(ids, hid, starts, [st.slot for st in states])
+        h, out = self._run(ids, hid, starts, [st.slot for st in states])
         for (a, e), st in zip(feeds, states):
             st.n_real = e
-        return h, logits, feeds
-
-    def _full(self, lg: torch.Tensor) -> torch.Tensor:
-        return self.model.to_target_vocab(lg, self._d2t)
+        return h, out, feeds
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -455,17 +453,16 @@ class Eagle3Drafter(DrafterBase):
         states = [s.drafter_state for s in run]
         slots = [st.slot for st in states]
         # 1. catch up: rows n_real .. n-1 from the target states
-        h, logits, feeds = self._catch_up(run)
+        h, out, feeds = self._catch_up(run)
         last = torch.tensor([e - a - 1 for a, e in feeds], device=self.device)
         ar = torch.arange(len(run), device=self.device)
-        h, logits = h[ar, last], logits[ar, last]  # [B, H], [B, Vd]
+        h, logits = h[ar, last], self.model.head_logits(out[ar, last])  # [B, H], [B, Vd]
         # 2. chains or trees (expand.py decides which nodes run); node i of sequence b runs in
         # scratch row e_b + (its run index), at position e_b + depth, reading its parent's state
         ends = [e for _, e in feeds]
         hid = {(b, -1): h[b] for b in range(len(run))}
         row_of: dict[tuple[int, int], int] = {}
         used = [0] * len(run)
-        full = self._full
 
         def step(run_nodes, nodes):
             live = [b for b, r in enumerate(run_nodes) if r]
@@ -485,13 +482,14 @@ class Eagle3Drafter(DrafterBase):
                     while a >= 0:
                         path.append(row_of[(b, a)])
                         a = nodes[b][a].parent
-                    vis.append((j, t, list(range(ends[b])) + path))
+                    vis.append((j, t, ends[b], path))  # it sees the committed rows and its path
                 used[b] += len(run_nodes[b])
             starts = torch.tensor([ends[b] + used[b] - len(run_nodes[b]) for b in live], device=self.device)
-            Lk = max(max(v) for _, _, v in vis) + 1
+            Lk = max(max(path) for *_, path in vis) + 1
             mask = torch.zeros(len(live), 1, T, Lk, dtype=torch.bool, device=self.device)
-            for j, t, rows in vis:
-                mask[j, 0, t, rows] = True
+            for j, t, end, path in vis:
+                mask[j, 0, t, :end] = True
+                mask[j, 0, t, path] = True
             for j in range(len(live)):  # padding queries see their own row only (outputs dropped)
                 for t in range(len(run_nodes[live[j]]), T):
                     mask[j, 0, t, 0] = True
@@ -501,10 +499,10 @@ class Eagle3Drafter(DrafterBase):
             for j, b in enumerate(live):
                 for t, i in enumerate(run_nodes[b]):
                     hid[(b, i)] = hn[j, t]
-                out[b] = full(lg[j, : len(run_nodes[b])])
+                out[b] = lg[j, : len(run_nodes[b])]
             return out
 
-        out = expand.draft(run, [ks[i] for i in idx], full(logits), step)
+        out = expand.draft(run, [ks[i] for i in idx], logits, step, self.columns)
         for b, i in enumerate(idx):
             drafts[i] = out[b]
         return drafts

@@ -38,32 +38,59 @@ class Node:
 
 
 # step(run, nodes) -> logits: run[b] lists indices into nodes[b] of the nodes to run for sequence b
-# now (their parents were run before, or are the root); returns one [len(run[b]), V] tensor of
-# full-vocabulary logits per sequence (None where run[b] is empty).
+# now (their parents were run before, or are the root); returns one [len(run[b]), Vd] tensor of
+# logits per sequence (None where run[b] is empty), over the drafter's columns (see `Columns`).
 Step = Callable[[list[list[int]], list[list[Node]]], list]
 
 
-def draft(seqs, budgets: list[int], root_logits: torch.Tensor, step: Step) -> list[Draft]:
-    """root_logits [B, V]: the drafter's logits after each sequence's last committed token."""
+@dataclass(frozen=True)
+class Columns:
+    """What the columns of a drafter's logits are: the target ids `ids` [Vd] (increasing) of a
+    reduced draft vocabulary, out of the target's `vocab_size`.
+
+    Drafting over the Vd columns instead of scattering every step's logits into the target's
+    vocabulary (262k for Gemma 3, 32x a draft vocabulary of 8192) gives the same drafts: a token
+    outside the draft vocabulary has probability 0, so the argmax, the top-k, the log-softmax and
+    the top-p set are the same, and the sampler's inverse running total (sampling.sample) meets
+    the same token at the same uniform draw because the ids are increasing. Only a sampled chain's
+    q goes to the verifier over the target's vocabulary (`full`)."""
+
+    ids: torch.Tensor  # [Vd] int64, increasing
+    vocab_size: int
+
+    def full(self, q: torch.Tensor) -> torch.Tensor:
+        """q [Vd] -> [V], zero outside the draft vocabulary."""
+        return q.new_zeros(self.vocab_size).index_copy_(0, self.ids, q)
+
+
+def _target_id(columns: Columns | None, i: int) -> int:
+    return i if columns is None else int(columns.ids[i])
+
+
+def draft(seqs, budgets: list[int], root_logits: torch.Tensor, step: Step,
+          columns: Columns | None = None) -> list[Draft]:
+    """root_logits [B, Vd]: the drafter's logits after each sequence's last committed token, over
+    `columns` (None: the target's whole vocabulary, Vd = V)."""
     if all((s.tree or CHAIN).is_chain for s in seqs):
-        return _chains(seqs, budgets, root_logits, step)
-    return _trees(seqs, budgets, root_logits, step)
+        return _chains(seqs, budgets, root_logits, step, columns)
+    return _trees(seqs, budgets, root_logits, step, columns)
 
 
-def draft_parallel(seqs, budgets: list[int], depth_logits: list[torch.Tensor]) -> list[Draft]:
+def draft_parallel(seqs, budgets: list[int], depth_logits: list[torch.Tensor],
+                   columns: Columns | None = None) -> list[Draft]:
     """Chains or trees for a drafter whose one forward gave every depth's distribution at once,
-    independent of the tokens drafted before it (P-EAGLE, DFlash): depth_logits[b] [k_b, V] is
-    sequence b's full-vocabulary logits for depths 1..k_b; a node's children come from the next
+    independent of the tokens drafted before it (P-EAGLE, DFlash): depth_logits[b] [k_b, Vd] is
+    sequence b's logits (over `columns`) for depths 1..k_b; a node's children come from the next
     depth's row whatever the node's token."""
 
     def step(run, nodes):
         return [torch.stack([depth_logits[b][nodes[b][i].depth] for i in r]) if r else None
                 for b, r in enumerate(run)]
 
-    return draft(seqs, budgets, torch.stack([d[0] for d in depth_logits]), step)
+    return draft(seqs, budgets, torch.stack([d[0] for d in depth_logits]), step, columns)
 
 
-def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
+def _chains(seqs, budgets, root_logits, step, columns) -> list[Draft]:
     B = len(seqs)
     qs: list[list[torch.Tensor]] = [[] for _ in range(B)]
     feats: list[list[list[float]]] = [[] for _ in range(B)]
@@ -79,12 +106,13 @@ def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
             if s.params.greedy:  # the argmax, with q = None (the verifier's one-hot rule: the same
                 # acceptance as a one-hot q, without a [V] tensor per node); log max softmax = max - logsumexp
                 lg = logits[b].float()
-                tok = int(lg.argmax())  # the first maximum, as probs() picks it
-                top = math.exp(float(lg[tok] - lg.logsumexp(-1)))
+                i = int(lg.argmax())  # the first maximum, as probs() picks it
+                top = math.exp(float(lg[i] - lg.logsumexp(-1)))
             else:
-                q = probs(logits[b][None], s.params)[0]
-                qs[b].append(q)
-                top, tok = float(q.max()), sample(q, s.generator)
+                q = probs(logits[b].float()[None], s.params)[0]
+                qs[b].append(q if columns is None else columns.full(q))
+                top, i = float(q.max()), sample(q, s.generator)
+            tok = _target_id(columns, i)
             feats[b].append([logit(top)])
             nodes[b].append(Node(tok, len(nodes[b]) - 1, j + 1, 0.0))
             if j + 1 < budgets[b]:  # its logits are needed only if the chain goes on
@@ -99,7 +127,7 @@ def _chains(seqs, budgets, root_logits, step) -> list[Draft]:
     return [Draft([n.token for n in ns], torch.stack(q) if q else None, features=f) for ns, q, f in zip(nodes, qs, feats)]
 
 
-def _trees(seqs, budgets, root_logits, step) -> list[Draft]:
+def _trees(seqs, budgets, root_logits, step, columns) -> list[Draft]:
     B = len(seqs)
     nodes: list[list[Node]] = [[] for _ in range(B)]  # every candidate, parents before children
     frontier: list[list[tuple[int, torch.Tensor]]] = [[(-1, root_logits[b])] for b in range(B)]  # (node, logits)
@@ -116,7 +144,7 @@ def _trees(seqs, budgets, root_logits, step) -> list[Draft]:
                 top = lg.float().log_softmax(-1).topk(sh.children(d))
                 base = _score(nodes[b], parent)
                 for lp, t in zip(top.values.tolist(), top.indices.tolist()):
-                    nodes[b].append(Node(int(t), parent, d + 1, base + lp))
+                    nodes[b].append(Node(_target_id(columns, t), parent, d + 1, base + lp))
             if not sh.dynamic:  # a static shape stops growing once it holds the budget
                 del nodes[b][budgets[b]:]
             if d + 1 < depth_cap[b]:  # expand next: the best `width` new nodes (static: all of them)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from ..models.layers import DecoderLayer, RMSNorm, linear, rope_cos_sin
+from .expand import Columns
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -143,6 +144,11 @@ class DraftHead(nn.Module):
         out = torch.full((lg.shape[0], self.config.vocab_size), float("-inf"), device=lg.device)
         out[:, self.draft_to_target() if d2t is None else d2t] = lg.float()
         return out
+
+    def columns(self) -> Columns | None:
+        """What the columns of `head_logits` are, for drafting over them (expand.Columns); None
+        without a draft vocabulary (the columns are the target's ids)."""
+        return Columns(self.draft_to_target(), self.config.vocab_size) if self.use_draft_vocab else None
 
     def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids (-1 where the id is not in the draft vocabulary)."""

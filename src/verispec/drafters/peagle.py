@@ -151,11 +151,11 @@ class PEagleDrafter(Eagle3Drafter):
         run = [seqs[i] for i in idx]
         budgets = [ks[i] for i in idx]
         mask_in = (self.model.config.mask_token_id, self.model.mask_state().to(self.dtype))
-        _, logits, feeds = self._catch_up(run, [k - 1 for k in budgets], mask_in)
-        # sequence b's distributions of draft depths 1..k, full vocabulary [k, V]
-        depth_logits = [self._full(logits[b, e - a - 1 : e - a - 1 + k]) for b, ((a, e), k) in
-                        enumerate(zip(feeds, budgets))]
-        out = expand.draft_parallel(run, budgets, depth_logits)
+        _, out, feeds = self._catch_up(run, [k - 1 for k in budgets], mask_in)
+        # sequence b's distributions of draft depths 1..k, over the draft vocabulary [k, Vd]
+        rows = torch.cat([out[b, e - a - 1 : e - a - 1 + k] for b, ((a, e), k) in enumerate(zip(feeds, budgets))])
+        depth_logits = list(self.model.head_logits(rows).split(budgets))
+        out = expand.draft_parallel(run, budgets, depth_logits, self.columns)
         for b, i in enumerate(idx):
             drafts[i] = out[b]
         return drafts
