@@ -380,3 +380,44 @@ def test_on_commit_sees_every_committed_token_once_with_its_hidden_state():
     ref = target(torch.tensor([seq.tokens[:n]]), target.new_cache(1, 128), [0], torch.tensor([0]), taps=(0,))
     torch.testing.assert_close(torch.cat([c[1] for c in calls]), ref.hidden[0][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat([c[2] for c in calls]), ref.last_hidden[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic:3", "static:3,2,1"])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=7),
+                                    SamplingParams(temperature=1.3, seed=3)], ids=["greedy", "topk-topp", "t1.3"])
+def test_drafting_over_draft_vocabulary_columns_equals_drafting_over_the_scattered_logits(tree, params):
+    """A drafter with a reduced vocabulary drafts over its Vd columns (expand.Columns) and gets the same
+    tokens, parents, features and (target-vocabulary) q as from its logits scattered into the target's
+    vocabulary with -inf elsewhere -- the same request generator draws included."""
+    from verispec.drafters import expand
+    from verispec.sequence import Sequence
+
+    V, Vd = 97, 23
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(V, generator=g)[:Vd].sort().values
+    table = torch.randn(V, 4, Vd, generator=g) * 2  # node logits: a function of (token, depth)
+    root = torch.randn(2, Vd, generator=g) * 2
+
+    def run(columns):
+        seqs = []
+        for i in range(2):
+            s = Sequence(i, [1, 2, 3], params, torch.Generator().manual_seed(11 + i))
+            s.tree = TreeShape.parse(tree) if tree else None
+            seqs.append(s)
+        wide = (lambda lg: lg) if columns else (lambda lg: torch.full((lg.shape[0], V), float("-inf")).index_copy_(1, ids, lg))
+
+        def step(run_nodes, nodes):
+            return [wide(torch.stack([table[nodes[b][i].token, nodes[b][i].depth % 4] for i in r])) if r else None
+                    for b, r in enumerate(run_nodes)]
+
+        return expand.draft(seqs, [5, 4], wide(root), step, expand.Columns(ids, V) if columns else None)
+
+    for a, b in zip(run(True), run(False)):
+        assert a.tokens == b.tokens and a.parents == b.parents
+        # the confidence feature: a logsumexp over 23 or 97 terms (-inf included)
+        torch.testing.assert_close(torch.tensor(a.features), torch.tensor(b.features), rtol=1e-5, atol=1e-5)
+        assert len(a.tokens) > 0 and set(a.tokens) <= set(ids.tolist())
+        assert (a.q is None) == (b.q is None)
+        if a.q is not None:
+            assert a.q.shape == (len(a.tokens), V)
+            torch.testing.assert_close(a.q, b.q, rtol=0, atol=1e-7)
