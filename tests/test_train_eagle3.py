@@ -64,6 +64,19 @@ def test_data_shards_index_mask_and_states(tiny):
     assert int(d.token_counts.sum()) == sum(int(x.mask.sum()) for x in d.samples)
 
 
+def test_max_prompts_reads_the_first_shards_only(tiny):
+    """--max-prompts keeps an earlier run's data budget on an extended data set: the samples, the
+    held-out split and the draft vocabulary's counts are those of the first shards alone."""
+    _, _, data, prompts = tiny
+    full, first = HiddenStateData(data), HiddenStateData(data, max_prompts=32)
+    assert len(first.samples) == 32 and len(full.samples) == 48
+    assert all(torch.equal(a.ids, b.ids) for a, b in zip(first.samples, full.samples))
+    assert first.split(0.25)[1] == [j for j in full.split(0.25)[1] if j < 32]
+    assert torch.equal(first.token_counts, sum(torch.bincount(x.ids[x.mask], minlength=V) for x in full.samples[:32]))
+    with pytest.raises(ValueError, match="does not end at a shard boundary"):
+        HiddenStateData(data, max_prompts=20)
+
+
 def test_data_resume_after_kill_and_no_hidden(tiny, tmp_path):
     target, folder, data, prompts = tiny
     kw = dict(max_tokens=20, shard_size=16, batch_size=8, meta={"model": str(folder)})

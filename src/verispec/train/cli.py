@@ -31,6 +31,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=None, help="total optimizer steps (overrides --epochs)")
     p.add_argument("--max-len", type=int, default=1024, help="truncate samples to this many tokens")
+    p.add_argument("--max-prompts", type=int, default=None, metavar="N",
+                   help="train on the data's first N prompts only (whole shards): an earlier run's data budget")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=50)
@@ -77,7 +79,7 @@ def cmd_train(args) -> int:
         data=args.data, out=args.out, model=args.model, method=args.method, draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
         step_loss_decay=args.step_loss_decay, loss=args.loss, lr=args.lr, weight_decay=args.weight_decay,
         warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, batch_size=args.batch_size, epochs=args.epochs,
-        steps=args.steps, max_len=args.max_len, val_fraction=args.val_fraction, seed=args.seed,
+        steps=args.steps, max_len=args.max_len, max_prompts=args.max_prompts, val_fraction=args.val_fraction, seed=args.seed,
         save_every=args.save_every, eval_every=args.eval_every, bf16=not args.no_bf16, fc_norm=args.fc_norm,
         norm_output=args.norm_output, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
         train_lm_head=args.train_lm_head, anchors=args.anchors, markov_rank=args.markov_rank,

@@ -24,7 +24,10 @@ class Sample:
 
 
 class HiddenStateData:
-    def __init__(self, folder: str | Path, max_len: int | None = None):
+    def __init__(self, folder: str | Path, max_len: int | None = None, max_prompts: int | None = None):
+        """max_prompts: read only the shards of the first `max_prompts` prompts (a shard is read
+        whole or not at all), so that a run on an extended data set can keep an earlier run's
+        data budget, held-out split and draft vocabulary."""
         folder = Path(folder)
         index_path = folder / "index.json"
         if not index_path.is_file():
@@ -37,7 +40,14 @@ class HiddenStateData:
         # response-token counts for the draft vocabulary, from the shards themselves (a
         # token_freq.safetensors left stale by a killed `verispec data` is never read)
         self.token_counts = torch.zeros(V, dtype=torch.int64)
-        for sh in self.index["shards"]:
+        shards = self.index["shards"]
+        if max_prompts is not None:
+            shards = [sh for sh in shards if sh["first_prompt"] + sh["num_prompts"] <= max_prompts]
+            done = sum(sh["num_prompts"] for sh in shards)
+            if done != max_prompts:
+                raise ValueError(f"{folder}: --max-prompts {max_prompts} does not end at a shard boundary "
+                                 f"(the shards whole below it hold {done} prompts)")
+        for sh in shards:
             t = _load_shard(folder / sh["file"], sh)
             self.token_counts += torch.bincount(t["input_ids"].long()[t["loss_mask"].bool()], minlength=V)[:V]
             off = t["offsets"].tolist()

@@ -54,6 +54,7 @@ class TrainConfig:
     epochs: float = 1.0
     steps: int | None = None  # overrides epochs
     max_len: int = 1024
+    max_prompts: int | None = None  # train on the shards of the data's first N prompts only
     val_fraction: float = 0.05
     seed: int = 0
     save_every: int = 50
@@ -234,7 +235,7 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
 # The fields a resumed run must share with the run that wrote the checkpoint: any of them changes
 # the batches, the loss or the schedule, so the result would match no uninterrupted run.
 RESUME_FIELDS = ("data", "method", "draft_vocab_size", "ttt_steps", "step_loss_decay", "loss", "lr", "weight_decay",
-                 "warmup_ratio", "min_lr_ratio", "grad_clip", "batch_size", "epochs", "steps", "max_len",
+                 "warmup_ratio", "min_lr_ratio", "grad_clip", "batch_size", "epochs", "steps", "max_len", "max_prompts",
                  "val_fraction", "seed", "bf16", "fc_norm", "norm_output", "num_layers", "intermediate_size",
                  "train_lm_head", "anchors", "markov_rank")
 STATE = "state.pt"
@@ -417,7 +418,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
 
     dist = Dist(cfg.device)
     out = Path(cfg.out)
-    data = HiddenStateData(cfg.data, cfg.max_len)
+    data = HiddenStateData(cfg.data, cfg.max_len, cfg.max_prompts)
     if target is None:
         from ..models import load_model
 
