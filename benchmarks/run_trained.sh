@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The trained EAGLE-3 drafter against plain decoding, n-gram and the hybrid (n-gram where it
-# matches, EAGLE-3 elsewhere), all at a fixed k = 5 chain, in one `verispec bench` run per
+# The trained drafters (EAGLE-3, DSpark) against plain decoding, n-gram and the hybrid (n-gram
+# where it matches, EAGLE-3 elsewhere), all at a fixed k = 5 chain, in one `verispec bench` run per
 # temperature (every ratio paired in its run): Gemma 3 270M, bfloat16, 128 new tokens, LIMIT
 # evenly spaced prompts of each of held-out chat (the benchmark's seeded ShareGPT sample, which the
 # training mixture excludes), MT-Bench and HumanEval, ROUNDS rounds, methods interleaved per prompt
@@ -9,15 +9,17 @@
 # top-p 0.95 against SAMPLE_N seeded requests); at temperature 1 (seeded per prompt) the run
 # measures speed and tau only.
 #
-# The results in BENCHMARKS.md: `OUT=benchmarks/results/eagle3 benchmarks/run_eagle3.sh` (about
-# 30 minutes on an idle 2-core machine). Smoke test: LIMIT=1 MAX_TOKENS=16 ROUNDS=1 SAMPLE_N=100 TEMPS=0
+# The results in BENCHMARKS.md: `OUT=benchmarks/results/trained benchmarks/run_trained.sh` (about
+# 40 minutes on an idle 2-core machine; the run of session 8, EAGLE-3 only, is in
+# benchmarks/results/eagle3). Smoke test: LIMIT=1 MAX_TOKENS=16 ROUNDS=1 SAMPLE_N=100 TEMPS=0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERISPEC="${VERISPEC:-verispec}"
 command -v "$VERISPEC" >/dev/null || VERISPEC="$(dirname "$(command -v python3)")/verispec"
-OUT="${OUT:-benchmarks/results/eagle3-$(date -u +%Y%m%dT%H%M%SZ)}"
+OUT="${OUT:-benchmarks/results/trained-$(date -u +%Y%m%dT%H%M%SZ)}"
 D="${DRAFTER:-drafters/gemma3-270m-eagle3}"
-methods="ngram@policy=fixed,$D@policy=fixed,hybrid:$D@policy=fixed"
+P="${PARALLEL:-drafters/gemma3-270m-dspark}"
+methods="ngram@policy=fixed,$D@policy=fixed,hybrid:$D@policy=fixed,$P@policy=fixed"
 for t in ${TEMPS:-0 1}; do
     extra=(--sample-check 0)
     [ "$t" = 0 ] && extra=(--sample-check "${SAMPLE_CHECK:-1}" --sample-n "${SAMPLE_N:-1000}")
