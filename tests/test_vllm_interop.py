@@ -11,12 +11,18 @@ request by request, for both targets (seen: 16 of 16 each, Llama 255 / 255 draft
 version of this test ran verispec with its default adaptive draft policy, whose budgets follow the
 machine's measured step costs, and saw acceptance drift from vLLM's with the machine's load.
 vLLM runs in its own venv (benchmarks/vllm_env.sh); without it the test is skipped. About 9
-minutes on 2 cores.
+minutes on 2 cores. With VERISPEC_INTEROP_RECORD=DIR each case also writes what it measured into
+DIR/results.json, with the export format's fingerprint (tests/interop_format.py):
+benchmarks/run_vllm_interop.sh keeps benchmarks/results/vllm-interop current that way, and
+test_vllm_interop_results.py, which needs no vLLM, checks those committed results in every CI run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +35,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 VOCAB, LAYERS, K, MAX_TOKENS = 64, 8, 3, 32
 PARALLEL_SLACK = 0.03  # per-position acceptance of P-EAGLE and DFlash (test_parallel_drafters_in_vllm)
+
+
+def record(case: str, result: dict) -> None:
+    """Add one case's measurements to $VERISPEC_INTEROP_RECORD/results.json (when set)."""
+    folder = os.environ.get("VERISPEC_INTEROP_RECORD")
+    if not folder:
+        return
+    from interop_format import export_format
+
+    path = Path(folder) / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(path.read_text()) if path.is_file() else {"cases": {}}
+    version = subprocess.run([str(V.venv_python()), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip()
+    doc.update(export_format=export_format(), vllm=version, k=K, max_tokens=MAX_TOKENS)
+    doc["cases"][case] = result
+    path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def make_target(family: str, folder):
@@ -183,6 +206,9 @@ def test_exported_eagle3_runs_in_vllm_with_verispecs_outputs_and_acceptance(fami
         print(f"  {'same' if same else 'DIFF'}: verispec {mine.drafts} drafts {ours_pos}, vLLM {r['spec']['drafts']} "
               f"drafts {theirs_pos} (closest top-2 gap {gap:.4f})")
     print(f"{family}: {exact} of {len(prompts)} requests drafted and accepted exactly alike")
+    record(f"eagle3-{family}", {"prompts": len(prompts), "identical": sum(a == b for a, b in zip(ours, theirs)),
+                                "requests_alike": exact, "drafts": [stats.drafts, drafts],
+                                "acceptance_verispec": ours_acc, "acceptance_vllm": theirs_acc})
     assert exact == len(prompts)
 
 
@@ -217,6 +243,7 @@ def test_parallel_drafters_in_vllm(method, qwen3, capsys):
     except V.VllmError as e:
         print(f"{method}: vLLM refuses it: {str(e)[:300]}")
         assert method == "dspark" and "does not support: dspark" in str(e), e
+        record(method, {"refused": str(e)[-600:]})
         return
     try:
         replies = [w.generate(p, MAX_TOKENS) for p in prompts]
@@ -229,4 +256,6 @@ def test_parallel_drafters_in_vllm(method, qwen3, capsys):
     ours_acc = stats.acceptance_unconditional
     print(f"{method}: per-position acceptance verispec {[round(x, 3) for x in ours_acc]} vLLM "
           f"{[round(x, 3) for x in theirs_acc]} ({stats.drafts} / {drafts} drafts)")
+    record(method, {"prompts": len(prompts), "identical": sum(a == r["tokens"] for a, r in zip(ours, replies)),
+                    "drafts": [stats.drafts, drafts], "acceptance_verispec": ours_acc, "acceptance_vllm": theirs_acc})
     assert all(abs(a - b) <= PARALLEL_SLACK for a, b in zip(ours_acc, theirs_acc)), (ours_acc, theirs_acc)
