@@ -42,3 +42,16 @@ def test_vllm_serves_each_family_with_verispecs_outputs_and_acceptance(results, 
     assert all(abs(a - b) <= SLACK for a, b in zip(r["acceptance_verispec"], r["acceptance_vllm"])), r
     if case.startswith("eagle3"):
         assert r["requests_alike"] == r["prompts"] and r["drafts"][0] == r["drafts"][1]
+
+
+def test_the_fingerprint_follows_the_export_format(monkeypatch):
+    """A new config.json field or a renamed tensor changes the fingerprint (values do not)."""
+    from verispec.drafters.eagle3 import Eagle3Config
+
+    before = export_format()
+    to_speculators = Eagle3Config.to_speculators
+    monkeypatch.setattr(Eagle3Config, "to_speculators", lambda self, dtype="bfloat16": {**to_speculators(self, dtype), "new_field": 1})
+    after = export_format()
+    assert after["eagle3"] != before["eagle3"] and after["dflash"] == before["dflash"]
+    monkeypatch.setattr(Eagle3Config, "to_speculators", lambda self, dtype="bfloat16": {**to_speculators(self, dtype), "draft_vocab_size": 7})
+    assert export_format()["eagle3"] == before["eagle3"]
