@@ -67,8 +67,8 @@ def _serve_rows(m: Eagle3Model, drafter: Eagle3Drafter, ids, aux, slot=0):
     """Serving path, one row at a time through the drafter's KV cache: row i = (g_i, x_{i+1})."""
     outs = []
     for i in range(ids.shape[1] - 1):
-        h, logits = drafter._run(ids[:, i + 1 : i + 2], m.fuse(aux[:, i : i + 1]), torch.tensor([i]), [slot])
-        outs.append((h, logits))
+        h, state = drafter._run(ids[:, i + 1 : i + 2], m.fuse(aux[:, i : i + 1]), torch.tensor([i]), [slot])
+        outs.append((h, m.head_logits(state)))
     return outs
 
 
@@ -98,7 +98,8 @@ def test_ttt_one_step_is_plain_forward_and_unroll_is_the_chain(llama, flags):
         h = rows[-1][0]
         for s in (1, 2):
             tok = ids[:, anchor + 1 + s : anchor + 2 + s]
-            h, lg = d._run(tok, h, torch.tensor([anchor + s]), [0])
+            h, state = d._run(tok, h, torch.tensor([anchor + s]), [0])
+            lg = m.head_logits(state)
             torch.testing.assert_close(three[s][:, anchor], lg[:, 0], atol=1e-4, rtol=1e-4)
 
 

@@ -44,8 +44,8 @@ def _serve_depths(m: PEagleModel, target, ids, aux, anchor: int, k: int) -> torc
     d = PEagleDrafter(m, target, 1, 32)
     hid = torch.cat([m.fuse(aux[0, : anchor + 1]), m.mask_state().expand(k - 1, -1)])[None]
     tok = torch.cat([ids[0, 1 : anchor + 2], torch.full((k - 1,), m.config.mask_token_id)])[None]
-    _, logits = d._run(tok, hid, torch.tensor([0]), [0])
-    return logits[0, anchor : anchor + k]
+    _, states = d._run(tok, hid, torch.tensor([0]), [0])
+    return m.head_logits(states[0, anchor : anchor + k])
 
 
 @torch.no_grad()
