@@ -47,12 +47,12 @@ def test_default_layers():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_training_forward_is_the_serving_forward(llama, num_layers):
+@pytest.mark.parametrize("num_layers,fc_norm", [(1, False), (2, False), (1, True)])
+def test_training_forward_is_the_serving_forward(llama, num_layers, fc_norm):
     """Every anchor block of the training forward equals the serving drafter's block for the same
     context (its context rows written by on_commit, in two chunks), also with anchors batched."""
     _, target = llama
-    m = random_dflash(target, draft_vocab=64, num_layers=num_layers, aux_layers=[0, 2, 3])
+    m = random_dflash(target, draft_vocab=64, num_layers=num_layers, aux_layers=[0, 2, 3], fc_norm=fc_norm)
     T = 12
     ids = random_ids(T, 160, seed=3)
     hidden, aux = _states(target, ids, m.config.aux_layers)
@@ -161,6 +161,34 @@ def test_save_load_roundtrip_export_and_bad_checkpoints(llama, tmp_path, capsys)
         (tmp_path / "ck" / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(ValueError, match=msg):
             make_drafter(str(tmp_path / "ck"), target, 2, 64, torch.float32, "cpu")
+
+
+@torch.no_grad()
+def test_fc_norm_normalizes_each_target_state_and_is_refused_by_the_vllm_export(llama, tmp_path, capsys):
+    """fc_norm: each target layer's state is normalized on its own before the fusion, so scaling one
+    layer's states changes nothing; the flag survives save / load, and `export --vllm` refuses it
+    (vLLM's DFlash would fuse the raw states)."""
+    from verispec.cli import main
+
+    _, target = llama
+    m = random_dflash(target, draft_vocab=64, aux_layers=[0, 2, 3], fc_norm=True)
+    with torch.no_grad():
+        for nrm in m.fc_norm:
+            nrm.weight.uniform_(0.5, 1.5)
+    aux = torch.randn(1, 5, 3 * m.config.hidden_size)
+    scaled = aux.clone()
+    scaled[..., m.config.hidden_size : 2 * m.config.hidden_size] *= 1000.0  # one layer, 1000x larger
+    torch.testing.assert_close(m.context(scaled), m.context(aux), atol=1e-4, rtol=1e-4)
+    plain = random_dflash(target, draft_vocab=64, aux_layers=[0, 2, 3])
+    assert not torch.allclose(plain.context(scaled), plain.context(aux), atol=1e-2)
+    m.save(tmp_path / "ck", dtype=torch.float32)
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["fc_norm"] is True
+    back = load_dflash(tmp_path / "ck", target)
+    assert back.config.fc_norm and torch.equal(back.context(aux), m.context(aux))
+    assert "fc_norm" not in plain.config_json("bfloat16")  # the default format is speculators' own
+    capsys.readouterr()
+    assert main(["export", "--vllm", str(tmp_path / "ck")]) != 0
+    assert "vLLM's implementation does not do" in capsys.readouterr().err
 
 
 def test_full_vocabulary_checkpoint_takes_the_targets_head(llama, tmp_path):

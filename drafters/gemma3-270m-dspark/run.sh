@@ -4,12 +4,15 @@
 # trained on a 2-core CPU on the same data budget as drafters/gemma3-270m-eagle3 run 2: the first
 # 1088 prompts of datasets/gemma3-270m-mix (same held-out split, same 8192-token draft vocabulary).
 # Markov rank 32 because its W1 indexes the 262,144-token target vocabulary: rank 256 made a 163 MB
-# checkpoint, rank 32 about 50 MB. Resumes when re-run with the same settings (a kill is safe):
+# checkpoint, rank 32 about 50 MB. --fc-norm (a norm on each target state before fusion, as EAGLE
+# 3.1): without it the context did not learn (position-1 acceptance 0.16 after 200 steps). 3 epochs
+# (387 steps) for the session's time; EAGLE-3 run 2 had 4.
+# Resumes when re-run with the same settings (a kill is safe):
 #   nohup drafters/gemma3-270m-dspark/run.sh > drafters/gemma3-270m-dspark/run.log 2>&1 &
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 OUT=${OUT:-drafters/gemma3-270m-dspark}
 $PY -m verispec.cli train --method dspark --data datasets/gemma3-270m-mix --max-prompts 1088 --out "$OUT" \
-    --draft-vocab-size 8192 --ttt-steps 6 --num-layers 2 --markov-rank 32 --anchors 64 --lr 8e-4 --epochs "${EPOCHS:-4}" \
+    --draft-vocab-size 8192 --ttt-steps 6 --num-layers 2 --markov-rank 32 --fc-norm --anchors 64 --lr 8e-4 --epochs "${EPOCHS:-3}" \
     --batch-size 8 --max-len 768 --val-fraction 0.05 --save-every 20 --eval-every 100 --threads 2 --no-progress

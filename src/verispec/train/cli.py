@@ -38,7 +38,7 @@ def add_train_parser(sub) -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--no-bf16", action="store_true", help="train in fp32 (default: bf16 autocast)")
-    p.add_argument("--fc-norm", action="store_true", help="EAGLE 3.1: a norm on each target state before fusion")
+    p.add_argument("--fc-norm", action="store_true", help="EAGLE 3.1: a norm on each target state before fusion (EAGLE-3, DFlash, DSpark; vLLM serves it for EAGLE-3 only)")
     p.add_argument("--norm-output", action="store_true", help="EAGLE 3.1: feed post-norm states to the next step")
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--intermediate-size", type=int, default=None)
@@ -122,6 +122,10 @@ def cmd_export(args) -> int:
             m = load(args.vllm, target)
         except CheckpointError as e:
             raise UserError(str(e)) from e
+        if m.config.fc_norm:
+            raise UserError(f"{args.vllm}: this {kind} drafter normalizes each target state before fusing them "
+                            "(fc_norm), which vLLM's implementation does not do; verispec serves it, vLLM would not "
+                            "draft with the weights it was trained with")
         k = min(args.num_speculative_tokens or m.config.speculative_tokens, m.config.speculative_tokens)
         spec = {"method": kind, "model": args.vllm, "num_speculative_tokens": k}
         print(f"vllm serve {m.config.verifier or '<target model>'} --speculative-config '{json.dumps(spec)}'")

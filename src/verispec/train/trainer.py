@@ -137,7 +137,7 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
         else:  # slot 0 is the anchor: K = block size - 1
             config_cls, model_cls, kw["block_size"] = DFlashConfig, DFlashModel, cfg.ttt_steps + 1
         c = config_cls.for_target(target, draft_vocab_size=vd, aux_layers=data.layers, num_layers=cfg.num_layers,
-                                  mask_token_id=mask_token, **kw)
+                                  mask_token_id=mask_token, fc_norm=cfg.fc_norm, **kw)
         name = data.index.get("model") or cfg.model
         c.verifier = HF_IDS.get(name, name)
         torch.manual_seed(cfg.seed)
