@@ -19,7 +19,8 @@ command -v "$VERISPEC" >/dev/null || VERISPEC="$(dirname "$(command -v python3)"
 OUT="${OUT:-benchmarks/results/trained-$(date -u +%Y%m%dT%H%M%SZ)}"
 D="${DRAFTER:-drafters/gemma3-270m-eagle3}"
 P="${PARALLEL:-drafters/gemma3-270m-dspark}"
-methods="ngram@policy=fixed,$D@policy=fixed,hybrid:$D@policy=fixed,$P@policy=fixed"
+methods="ngram@policy=fixed,$D@policy=fixed,hybrid:$D@policy=fixed"
+[ -f "$P/config.json" ] && methods="$methods,$P@policy=fixed"  # a parallel drafter, when trained
 for t in ${TEMPS:-0 1}; do
     extra=(--sample-check 0)
     [ "$t" = 0 ] && extra=(--sample-check "${SAMPLE_CHECK:-1}" --sample-n "${SAMPLE_N:-1000}")

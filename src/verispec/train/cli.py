@@ -22,7 +22,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--anchors", type=int, default=64, help="DFlash / DSpark: random anchor blocks per sample and step")
     p.add_argument("--markov-rank", type=int, default=256, help="DSpark: rank of the Markov head W1 W2")
     p.add_argument("--step-loss-decay", type=float, default=0.8)
-    p.add_argument("--loss", choices=["kl", "ce"], default="kl")
+    p.add_argument("--loss", choices=["kl", "ce", "tv"], default="kl",
+                   help="kl: forward KL to the target; ce: cross-entropy on the data token; tv (DFlash / DSpark): "
+                        "DSpark's 0.1 CE + 0.9 total variation (DSpark adds its confidence loss to each)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-ratio", type=float, default=0.04)

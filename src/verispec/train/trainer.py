@@ -124,6 +124,8 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
         kw["intermediate_size"] = cfg.intermediate_size
     if cfg.method not in METHODS:
         raise ValueError(f"unknown method {cfg.method!r} ({', '.join(METHODS)})")
+    if cfg.loss == "tv" and cfg.method not in ("dflash", "dspark"):
+        raise ValueError(f"--loss tv is DSpark's block loss (dflash, dspark); {cfg.method} trains with kl or ce")
     mtp = cfg.method == "mtp"
     # the mask token of the parallel drafters: the target's padding token (never in a response), else 0
     pad = target.config.pad_token_id
@@ -195,7 +197,7 @@ def forward_loss(model, net, batch: dict, cfg: TrainConfig, head, cap, d2t, t2d,
         if cfg.method == "dflash":
             return block_loss(torch.cat(outs, 1), anchors, ok, batch, head, cap, d2t, t2d, kind=cfg.loss, reduce=reduce)
         logits, conf = torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
-        return block_loss(logits, anchors, ok, batch, head, cap, d2t, t2d, kind="dspark", reduce=reduce, first_slot=0,
+        return block_loss(logits, anchors, ok, batch, head, cap, d2t, t2d, kind=cfg.loss, reduce=reduce, first_slot=0,
                           confidence=conf)
     if cfg.method == "peagle":
         kw = {}
