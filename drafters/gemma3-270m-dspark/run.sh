@@ -4,9 +4,11 @@
 # trained on a 2-core CPU on the same data budget as drafters/gemma3-270m-eagle3 run 2: the first
 # 1088 prompts of datasets/gemma3-270m-mix (same held-out split, same 8192-token draft vocabulary).
 # Markov rank 32 because its W1 indexes the 262,144-token target vocabulary: rank 256 made a 163 MB
-# checkpoint, rank 32 about 50 MB. --fc-norm (a norm on each target state before fusion, as EAGLE
-# 3.1): without it the context did not learn (position-1 acceptance 0.16 after 200 steps). 3 epochs
-# (387 steps) for the session's time; EAGLE-3 run 2 had 4.
+# checkpoint, rank 32 about 50 MB. The draft loss is KL to the target (the trainer's default) plus
+# DSpark's confidence loss: with the paper's 0.1 CE + 0.9 TV (`--loss tv`) a run stayed at held-out
+# position-1 acceptance 0.16 after 100 and 200 steps, and a second one with --fc-norm (a norm on each
+# target state before fusion, as EAGLE 3.1; kept here) had the same training accuracy (0.05-0.18 per
+# slot) after 56 steps. 3 epochs (387 steps) for the session's time; EAGLE-3 run 2 had 4.
 # Resumes when re-run with the same settings (a kill is safe):
 #   nohup drafters/gemma3-270m-dspark/run.sh > drafters/gemma3-270m-dspark/run.log 2>&1 &
 set -euo pipefail
