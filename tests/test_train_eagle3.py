@@ -578,3 +578,48 @@ def test_broken_drafter_folders_are_refused_naming_the_problem(tiny, tmp_path):
         with pytest.raises(ValueError, match="hidden_size must be a non-negative integer, got '64'") as e:
             make(str(broken))
         assert "64 != 64" not in str(e.value)
+
+
+def test_block_loss_kinds_and_the_dspark_confidence_term():
+    """block_loss per kind against the formulas written out here: kl = KL(p_t || q), tv = 0.1 CE +
+    0.9 TV, and with DSpark's confidence logits every kind adds BCE(confidence, 1 - TV)."""
+    import math
+
+    import torch.nn.functional as F
+
+    from verispec.train.losses import block_loss
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, Vd, S = 1, 8, 6, 5, 3
+    ids = torch.randint(0, Vd, (B, T), generator=g)
+    batch = {"ids": ids, "mask": torch.ones(B, T, dtype=torch.bool), "valid": torch.ones(B, T, dtype=torch.bool),
+             "last": torch.randn(B, T, H, generator=g)}
+    head = torch.randn(Vd, H, generator=g)
+    d2t, t2d = torch.arange(Vd), torch.arange(Vd)
+    anchors, ok = torch.tensor([[1, 3]]), torch.ones(1, 2, dtype=torch.bool)
+    logits = torch.randn(B, 2, S, Vd, generator=g)
+    conf = torch.randn(B, 2, S, generator=g)
+
+    def expected(kind, with_conf, first_slot):
+        total = 0.0
+        for s in range(S - first_slot):
+            vals = []
+            for a in anchors[0].tolist():
+                q = logits[0, anchors[0].tolist().index(a), s + first_slot].log_softmax(-1)
+                p = (batch["last"][0, a + s] @ head.t()).log_softmax(-1)
+                tok = int(ids[0, a + 1 + s])
+                tv = 0.5 * float((q.exp() - p.exp()).abs().sum())
+                v = float((p.exp() * (p - q)).sum()) if kind == "kl" else 0.1 * -float(q[tok]) + 0.9 * tv
+                if with_conf:
+                    c = conf[0, anchors[0].tolist().index(a), s + first_slot]
+                    v += float(F.binary_cross_entropy_with_logits(c, torch.tensor(1 - tv)))
+                vals.append(v)
+            total += math.exp(-s / 4.0) * sum(vals) / len(vals)
+        return total
+
+    for kind in ("kl", "tv"):
+        got, _ = block_loss(logits, anchors, ok, batch, head, None, d2t, t2d, kind=kind)
+        assert float(got) == pytest.approx(expected(kind, False, 1), rel=1e-5)
+        got, metrics = block_loss(logits, anchors, ok, batch, head, None, d2t, t2d, kind=kind, first_slot=0,
+                                  confidence=conf)
+        assert float(got) == pytest.approx(expected(kind, True, 0), rel=1e-5) and "conf_0" in metrics

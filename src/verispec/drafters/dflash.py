@@ -90,13 +90,7 @@ class DFlashConfig:
                    aux_layers=aux, **kw)
 
     def to_speculators(self, dtype: str = "bfloat16") -> dict:
-        d = self._to_speculators(dtype)
-        if self.fc_norm:
-            d["fc_norm"] = True
-        return d
-
-    def _to_speculators(self, dtype: str) -> dict:
-        return {
+        d = {
             "architectures": ["DFlashSpeculator"],
             "speculators_model_type": "dflash",
             "speculators_version": "0.9.0",
@@ -111,6 +105,9 @@ class DFlashConfig:
             "transformer_layer_config": speculators_layers(self, "qwen3"),
             "speculators_config": speculators_block(self, "dflash"),
         }
+        if self.fc_norm:  # only when set: the default is speculators' own format
+            d["fc_norm"] = True
+        return d
 
     @classmethod
     def from_speculators(cls, d: dict, where: str = "config.json") -> "DFlashConfig":

@@ -11,7 +11,7 @@ MIN_SHARED = 1 (any match) is measured: on Gemma 3 270M, at the steps of EAGLE-3
 n-gram draft is accepted further than the shipped EAGLE-3's at every length of shared context,
 even a single token (0.99 against 0.45 tokens at k = 5); EAGLE-3 pays only where n-gram has no
 match (0.46 against nothing). `benchmarks/hybrid_probe.py` has the table; a tree holding both
-drafts would accept only 2-7% more than n-gram alone there, less than the model's draft costs.
+drafts would accept only 1-9% more than n-gram alone there, less than the model's draft costs.
 
 Features (for the adaptive policy's estimator) are kept apart by source: [n-gram evidence, 0] or
 [0, model confidence], so each source gets its own slope.

@@ -181,7 +181,7 @@ def block_loss(
                 lp = target_logits(last, head_rows, softcap).log_softmax(-1)
         d = t2d_ids[tgt_tok]
         ce = -logq.gather(-1, d.clamp_min(0)[..., None])[..., 0]
-        tv = 0.5 * (logq.exp() - lp.exp()).abs().sum(-1) if lp is not None else None  # [B, A]
+        tv = 0.5 * (logq.exp() - lp.exp()).abs().sum(-1) if kind == "tv" or confidence is not None else None  # [B, A]
         if kind == "kl":
             per = (lp.exp() * (lp - logq)).sum(-1)
         elif kind == "ce":
