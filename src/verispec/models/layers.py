@@ -87,11 +87,17 @@ def bf16_native() -> bool:
     return _BF16_NATIVE[0]
 
 
+MIN_GEMM_ROWS = 4  # invariant blocks are padded to at least this many rows (see `_gemm_rows`)
+
+
 def _gemm_rows(weight: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-    """(weight @ xb.T).T; a single row is padded to two so that it goes through the same GEMM kernel as
-    several (same speed as mv): alone, or as the last block of 65, 129, ... rows."""
-    if xb.shape[0] == 1:
-        return (weight @ torch.cat([xb, torch.zeros_like(xb)]).t())[:, :1].t()
+    """(weight @ xb.T).T; fewer than MIN_GEMM_ROWS rows are padded with zero rows so that they go through
+    the same GEMM kernel as several (at no cost: decode-sized GEMMs are bound by the weight reads).
+    One row and two take other kernels than three or more: with a [32, 64] weight (a tiny test
+    model's value projection) two rows rounded differently from the same rows among four."""
+    n = xb.shape[0]
+    if n < MIN_GEMM_ROWS:
+        return (weight @ torch.cat([xb, xb.new_zeros(MIN_GEMM_ROWS - n, xb.shape[1])]).t())[:, :n].t()
     return (weight @ xb.t()).t()
 
 
@@ -142,40 +148,61 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def softcapped_attention(q, K, V, mask, scale, cap):
-    rep = q.shape[1] // K.shape[1]
-    K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
-    w = (q @ K.transpose(-1, -2)) * scale
-    w = torch.tanh(w / cap) * cap
-    w = w.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-    return w @ V
+def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention as two batched matmuls, the query heads of a KV group stacked as rows:
+    q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd]; scores and
+    softmax in fp32.
+
+    The CPU path for bf16/fp16. PyTorch's CPU flash kernel is slow there for decode shapes (Gemma
+    3 270M, h 4, kvh 1, hd 256, 512 keys, on the AVX512-BF16 EPYC: one query at batch 64 41 ms
+    against 5 ms here, batch 8 6.1 against 0.4 ms; a 256-token prefill in query pairs 28 against
+    2.5 ms) and it rounds a row differently with the number of queries in the call. These matmuls
+    give a row the same bits for any query count, batch and key padding (tests/test_exact_numerics.py),
+    so invariant mode needs no splitting; a lone query row (T = 1 without GQA) is padded to two, to
+    stay on the GEMM kernel rather than a GEMV."""
+    B, h, T, hd = q.shape
+    kvh = K.shape[1]
+    g = h // kvh
+    pad = g * T == 1
+    if pad:
+        q, mask, T = torch.cat([q, q], 2), torch.cat([mask, mask], 2), 2
+    # the GEMM's bits depend on the operands' row strides: keys and values as dense rows, always
+    # (the cache's own [Lk, hd] blocks are; a tree's gathered path views are strided)
+    K, V = (t if t.stride(-1) == 1 and t.stride(-2) == hd else t.contiguous() for t in (K, V))
+    qg = q.reshape(B, kvh, g * T, hd)  # [B, kvh, g*T, hd]: a group's heads as rows
+    s = (qg @ K.transpose(-1, -2)).float() * scale  # [B, kvh, g*T, Lk]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.reshape(B, kvh, g, T, -1).masked_fill(~mask[:, :, None], float("-inf"))  # mask [B, 1, 1, T, Lk]
+    w = s.softmax(-1).to(q.dtype).reshape(B, kvh, g * T, -1)
+    o = (w @ V).reshape(B, h, T, hd)
+    return o[:, :, :1] if pad else o
 
 
-INVARIANT_QUERIES = 2  # queries per attention call in invariant mode (see `attend`)
+INVARIANT_QUERIES = 2  # fp32 SDPA queries per call in invariant mode (see `attend`)
 
 
 def attend(q, K, V, mask, scale: float, softcap: float | None = None, invariant: bool = False) -> torch.Tensor:
     """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd].
 
-    invariant=True gives every query row the bits it gets alone: the CPU kernels compute a row
-    differently with the number of queries in the call (bf16, head_dim 256: on an Ice Lake Xeon
-    rows of 11..40-query calls differ from the same rows alone, on an AVX2 EPYC already some rows
-    of 4- and 8-query calls; tests/test_exact_numerics.py), and have their own path for one query.
-    So every call holds exactly two queries, the shape a lone query is padded to."""
+    bf16/fp16 on CPU, and soft-capped logits anywhere, take `grouped_attention` (row-invariant as it
+    is). Otherwise SDPA; with invariant=True in fp32 every call holds exactly two queries, the shape
+    a lone query is padded to, because the CPU kernel computes a row differently with the number of
+    queries in the call and has its own path for one query."""
+    if softcap is not None or (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)):
+        return grouped_attention(q, K, V, mask, scale, softcap)
     if not invariant:
-        return _attend_once(q, K, V, mask, scale, softcap)
+        return _sdpa(q, K, V, mask, scale)
     outs = []
     for qb, mb in zip(q.split(INVARIANT_QUERIES, dim=2), mask.split(INVARIANT_QUERIES, dim=2)):
         if qb.shape[2] < INVARIANT_QUERIES:
-            outs.append(_attend_once(torch.cat([qb, qb], 2), K, V, torch.cat([mb, mb], 2), scale, softcap)[:, :, :1])
+            outs.append(_sdpa(torch.cat([qb, qb], 2), K, V, torch.cat([mb, mb], 2), scale)[:, :, :1])
         else:
-            outs.append(_attend_once(qb.contiguous(), K, V, mb, scale, softcap))
+            outs.append(_sdpa(qb.contiguous(), K, V, mb, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
-def _attend_once(q, K, V, mask, scale, softcap):
-    if softcap is not None:
-        return softcapped_attention(q, K, V, mask, scale, softcap)
+def _sdpa(q, K, V, mask, scale):
     return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != K.shape[1])
 
 

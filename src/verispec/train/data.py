@@ -245,7 +245,7 @@ def build_dataset(
     mlen = min(max_model_len, c.max_position_embeddings)
     cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4 if drafter else 0,
                        dtype=str(target.dtype).removeprefix("torch."), max_batch_size=batch_size,
-                       max_model_len=mlen)
+                       max_model_len=mlen, batch_invariant=False)  # no two runs are compared: fastest kernels
     dr = make_drafter(drafter, target, batch_size, mlen + 5, target.dtype, target.device) if drafter else None
     eng = Engine(target, None, cfg, dr)
     cache = target.new_cache(1, mlen)
@@ -311,7 +311,8 @@ def _write_shard(out: Path, index: dict, first: int, seqs: list, target, layers:
     os.replace(out / (name + ".tmp"), out / name)
     index["shards"].append({"file": name, "first_prompt": first, "num_prompts": len(seqs), "samples": len(seqs),
                             "tokens": len(ids_all), "response_tokens": int(sum(mask_all)),
-                            "bytes": (out / name).stat().st_size})
+                            "bytes": (out / name).stat().st_size,
+                            "target_dtype": str(target.dtype).removeprefix("torch.")})
     index["prompts_done"] = first + len(seqs)
     index["samples"] += len(seqs)
     index["tokens"] += len(ids_all)
