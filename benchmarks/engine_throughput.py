@@ -42,7 +42,7 @@ def one_round(model, tok, prompts, batch: int, tokens: int, drafter: str | None)
         eng.step()
     done0 = sum(s.num_output for s in seqs)
     t = time.perf_counter()
-    while eng.has_work():
+    while eng.has_work:
         eng.step()
     return (sum(s.num_output for s in seqs) - done0) / (time.perf_counter() - t)
 
