@@ -109,6 +109,11 @@ def test_exact_mode_equals_plain_in_bf16():
     assert spec == plain
 
 
+def test_exact_mode_cannot_drop_batch_invariance():
+    with pytest.raises(ValueError, match="exact mode is batch-invariant"):
+        EngineConfig(exact=True, batch_invariant=False)
+
+
 def test_stats_are_consistent():
     hf = build_hf("llama")
     target = ours_from_hf(hf)

@@ -48,6 +48,7 @@ def test_data_shards_index_mask_and_states(tiny):
     target, folder, data, prompts = tiny
     index = json.loads((data / "index.json").read_text())
     assert index["samples"] == len(prompts) == 48 and len(index["shards"]) == 3
+    assert all(sh["target_dtype"] == "float32" for sh in index["shards"])  # each shard says its numerics
     d = HiddenStateData(data)
     s = d.samples[5]
     n_prompt = len(prompts[5])
