@@ -4,7 +4,7 @@
 
 Each round queues `batch` requests (MT-Bench prompts, greedy, fixed length), prefills them all,
 then times the decode steps until every request has its `--tokens`; it prints output tokens per
-second per batch size (median of the rounds) as JSON lines. Meant for A/B runs of two checkouts
+second and prefill (prompt) tokens per second per batch size (medians of the rounds) as JSON lines. Meant for A/B runs of two checkouts
 on the same machine back to back (`PYTHONPATH=<other checkout>/src python benchmarks/...`):
 compare the ratio, not the absolute numbers, on a shared machine.
 """
@@ -38,13 +38,15 @@ def one_round(model, tok, prompts, batch: int, tokens: int, drafter: str | None)
     eng = Engine(model, tok, cfg, dr)
     seqs = [eng.add_request(prompts[i % len(prompts)],
                             SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)) for i in range(batch)]
+    t = time.perf_counter()
     while eng.waiting or eng.prefilling:
         eng.step()
+    prefill_s = time.perf_counter() - t
     done0 = sum(s.num_output for s in seqs)
     t = time.perf_counter()
     while eng.has_work:
         eng.step()
-    return (sum(s.num_output for s in seqs) - done0) / (time.perf_counter() - t)
+    return (sum(s.num_output for s in seqs) - done0) / (time.perf_counter() - t), sum(len(s.prompt_ids) for s in seqs) / prefill_s
 
 
 def main() -> None:
@@ -63,9 +65,11 @@ def main() -> None:
     prompts = [encode_chat(tok, model.config.model_type, [{"role": "user", "content": p.turns[0]}])[:400]
                for p in load_mtbench()]
     for b in a.batch:
-        rates = [one_round(model, tok, prompts, b, a.tokens, a.drafter) for _ in range(a.rounds)]
+        runs = [one_round(model, tok, prompts, b, a.tokens, a.drafter) for _ in range(a.rounds)]
+        rates, prefill = [r for r, _ in runs], [p for _, p in runs]
         print(json.dumps({"batch": b, "drafter": a.drafter, "tokens": a.tokens, "tok_s": round(statistics.median(rates), 2),
-                          "rounds": [round(r, 2) for r in rates]}), flush=True)
+                          "prefill_tok_s": round(statistics.median(prefill), 1), "rounds": [round(r, 2) for r in rates]}),
+              flush=True)
 
 
 if __name__ == "__main__":
