@@ -154,9 +154,10 @@ def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None)
     softmax in fp32.
 
     The CPU path for bf16/fp16. PyTorch's CPU flash kernel is slow there for decode shapes (Gemma
-    3 270M, h 4, kvh 1, hd 256, 512 keys, on the AVX512-BF16 EPYC: one query at batch 64 41 ms
-    against 5 ms here, batch 8 6.1 against 0.4 ms; a 256-token prefill in query pairs 28 against
-    2.5 ms) and it rounds a row differently with the number of queries in the call. These matmuls
+    3 270M, h 4, kvh 1, hd 256, 512 keys, on the AVX512-BF16 EPYC: one query at batch 64 38.5 ms
+    against 3.1 ms here, batch 8 5.0 against 0.36 ms; a 256-token prefill in query pairs 32 against
+    4.7 ms; benchmarks/attention_kernels.py) and it rounds a row differently with the number of
+    queries in the call. These matmuls
     give a row the same bits for any query count, batch and key padding (tests/test_exact_numerics.py),
     so invariant mode needs no splitting; a lone query row (T = 1 without GQA) is padded to two, to
     stay on the GEMM kernel rather than a GEMV."""

@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
         else:
             sl = torch.tensor(slots, device=dev)
 
-            def kv_view(t):  # one index on the slot dim of the first Lk rows: 6x faster than indexing slots and rows
+            def kv_view(t):  # one index on the slot dim of the first Lk rows (63 of 64 slots, 512 rows: 2.2 ms, against 3.4 indexing slots and rows)
                 return t[:, :, :Lk][sl]
 
         x = self.embed(input_ids)
