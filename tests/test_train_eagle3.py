@@ -163,6 +163,31 @@ def test_resume_after_kill_is_exact(tiny, tmp_path):
     assert log[-1]["loss"] == straight[-1]["loss"]
 
 
+def test_warm_start_continues_from_a_drafter_and_refuses_another_shape(tiny, tmp_path):
+    """--init-from: at learning rate 0 the exported weights are the init's; training on from them
+    keeps the init's draft vocabulary (trained on the first shard, whose counts pick other ids
+    than the whole data's); a drafter of another shape or a missing folder is refused by name."""
+    from verispec.drafters.head import CheckpointError
+
+    target, folder, data, _ = tiny
+    train(_cfg(data, tmp_path / "first", max_prompts=16, draft_vocab_size=16), target)
+    first = load_eagle3(tmp_path / "first", target).state_dict()
+    train(_cfg(data, tmp_path / "same", init_from=str(tmp_path / "first"), draft_vocab_size=16, lr=0.0), target)
+    same = load_eagle3(tmp_path / "same", target).state_dict()
+    assert all(torch.equal(first[k], same[k]) for k in first)
+    fresh = build_model(_cfg(data, tmp_path / "x", draft_vocab_size=16), target, HiddenStateData(data))
+    assert not torch.equal(fresh.d2t, first["d2t"])  # the whole data would pick another vocabulary
+    train(_cfg(data, tmp_path / "cont", init_from=str(tmp_path / "first"), draft_vocab_size=16), target)
+    cont = load_eagle3(tmp_path / "cont", target).state_dict()
+    assert torch.equal(cont["d2t"], first["d2t"]) and torch.equal(cont["lm_head.weight"], first["lm_head.weight"])
+    assert not torch.equal(cont["fc.weight"], first["fc.weight"])
+    with pytest.raises(CheckpointError, match="intermediate_size"):
+        train(_cfg(data, tmp_path / "other", init_from=str(tmp_path / "first"), draft_vocab_size=16,
+                   intermediate_size=32), target)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        train(_cfg(data, tmp_path / "none", init_from=str(tmp_path / "nowhere")), target)
+
+
 def test_eval_log_curves_and_a_fresh_start_over_stale_logs(tiny, tmp_path):
     from PIL import Image
 

@@ -45,6 +45,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--intermediate-size", type=int, default=None)
     p.add_argument("--train-lm-head", action="store_true")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this drafter folder's weights (same method and shape; its draft vocabulary is kept)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: the idle cores)")
     p.add_argument("--device", default="cpu", help="torch device to train on (default: cpu; cuda trains the "
@@ -84,7 +86,7 @@ def cmd_train(args) -> int:
         steps=args.steps, max_len=args.max_len, max_prompts=args.max_prompts, val_fraction=args.val_fraction, seed=args.seed,
         save_every=args.save_every, eval_every=args.eval_every, bf16=not args.no_bf16, fc_norm=args.fc_norm,
         norm_output=args.norm_output, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
-        train_lm_head=args.train_lm_head, anchors=args.anchors, markov_rank=args.markov_rank,
+        train_lm_head=args.train_lm_head, anchors=args.anchors, markov_rank=args.markov_rank, init_from=args.init_from,
         export_dtype=args.export_dtype, state_cache_gb=args.state_cache_gb, device=args.device,
         progress=not args.no_progress,
         stop_after=args.stop_after,

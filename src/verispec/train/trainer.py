@@ -67,6 +67,7 @@ class TrainConfig:
     train_lm_head: bool = False
     anchors: int = 64  # DFlash / DSpark: random anchor blocks per sample and step
     markov_rank: int = 256  # DSpark: rank of the Markov head
+    init_from: str | None = None  # a drafter folder of the same method and shape to start from (warm start)
     export_dtype: str = "bfloat16"
     progress: bool = True
     device: str = "cpu"  # where the target and the drafter train (cuda: DDP over nccl)
@@ -184,6 +185,26 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
 METHODS = ("eagle3", "peagle", "dflash", "dspark", "mtp")
 
 
+def warm_start(model, path: str, target) -> None:
+    """Start from the weights of a trained drafter folder (continue training on more data, or at a
+    new schedule). Its shape must be the one this run builds, and its draft vocabulary mapping is
+    kept (the LM head rows follow it): the new data's token counts would pick other ids, and the
+    trained weights are only meaningful for the ids they were trained on."""
+    from ..drafters.head import CheckpointError
+
+    src = type(model).load(path, target)
+    # (this run's config through the same JSON round trip: fields the format does not store drop out)
+    mine = asdict(type(model).config_from_json(model.config_json("float32"), "this run"))
+    theirs = asdict(src.config)
+    diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+    if diff:
+        raise CheckpointError(f"--init-from {path}: its config differs from this run's in {', '.join(diff[:6])}; "
+                              "train with the arguments it was trained with")
+    with torch.no_grad():
+        model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in src.state_dict().items()
+                               if k in model.state_dict()})
+
+
 def forward_loss(model, net, batch: dict, cfg: TrainConfig, head, cap, d2t, t2d, reduce=None, evaluation=False):
     """The drafter's outputs on a batch and their loss and metrics (losses.py), for each method:
     EAGLE-3 / MTP unroll `ttt_steps` steps; P-EAGLE runs its depths at once (COD-sampled anchors in
@@ -239,7 +260,7 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
 RESUME_FIELDS = ("data", "method", "draft_vocab_size", "ttt_steps", "step_loss_decay", "loss", "lr", "weight_decay",
                  "warmup_ratio", "min_lr_ratio", "grad_clip", "batch_size", "epochs", "steps", "max_len", "max_prompts",
                  "val_fraction", "seed", "bf16", "fc_norm", "norm_output", "num_layers", "intermediate_size",
-                 "train_lm_head", "anchors", "markov_rank")
+                 "train_lm_head", "anchors", "markov_rank", "init_from")
 STATE = "state.pt"
 
 
@@ -435,6 +456,8 @@ def train(cfg: TrainConfig, target=None) -> dict:
     if not train_idx:
         raise ValueError(f"{cfg.data} holds no training samples")
     model = build_model(cfg, target, data).to(target.device)
+    if cfg.init_from:  # (a resumed run then overwrites these weights with its checkpoint's)
+        warm_start(model, cfg.init_from, target)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     per_epoch = max(1, len(train_idx) // cfg.batch_size)
