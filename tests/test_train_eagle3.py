@@ -186,6 +186,18 @@ def test_warm_start_continues_from_a_drafter_and_refuses_another_shape(tiny, tmp
                    intermediate_size=32), target)
     with pytest.raises(CheckpointError, match="no config.json"):
         train(_cfg(data, tmp_path / "none", init_from=str(tmp_path / "nowhere")), target)
+    # a killed warm-started run resumes from its checkpoint, even once the init folder is gone
+    import shutil
+
+    shutil.copytree(tmp_path / "first", tmp_path / "init")
+    kw = dict(init_from=str(tmp_path / "init"), draft_vocab_size=16)
+    assert train(_cfg(data, tmp_path / "killed", stop_after=4, **kw), target) == {"stopped_at": 4}
+    shutil.rmtree(tmp_path / "init")
+    train(_cfg(data, tmp_path / "killed", **kw), target)
+    resumed = load_eagle3(tmp_path / "killed", target).state_dict()
+    assert all(torch.equal(resumed[k], cont[k]) for k in cont)  # = the uninterrupted warm-started run
+    with pytest.raises(CheckpointError, match="not a --method mtp drafter"):
+        train(_cfg(data, tmp_path / "mtp", init_from=str(tmp_path / "first"), method="mtp", draft_vocab_size=16), target)
 
 
 def test_eval_log_curves_and_a_fresh_start_over_stale_logs(tiny, tmp_path):

@@ -185,13 +185,16 @@ def build_model(cfg: TrainConfig, target, data: HiddenStateData) -> Eagle3Model:
 METHODS = ("eagle3", "peagle", "dflash", "dspark", "mtp")
 
 
-def warm_start(model, path: str, target) -> None:
+def warm_start(model, path: str, target, method: str) -> None:
     """Start from the weights of a trained drafter folder (continue training on more data, or at a
     new schedule). Its shape must be the one this run builds, and its draft vocabulary mapping is
     kept (the LM head rows follow it): the new data's token counts would pick other ids, and the
     trained weights are only meaningful for the ids they were trained on."""
     from ..drafters.head import CheckpointError
 
+    if (Path(path) / "config.json").is_file() and not type(model).is_checkpoint(path):
+        raise CheckpointError(f"--init-from {path}: not a --method {method} drafter; start from a drafter of "
+                              "this run's method")
     src = type(model).load(path, target)
     # (this run's config through the same JSON round trip: fields the format does not store drop out)
     mine = asdict(type(model).config_from_json(model.config_json("float32"), "this run"))
@@ -456,8 +459,6 @@ def train(cfg: TrainConfig, target=None) -> dict:
     if not train_idx:
         raise ValueError(f"{cfg.data} holds no training samples")
     model = build_model(cfg, target, data).to(target.device)
-    if cfg.init_from:  # (a resumed run then overwrites these weights with its checkpoint's)
-        warm_start(model, cfg.init_from, target)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     per_epoch = max(1, len(train_idx) // cfg.batch_size)
@@ -475,6 +476,8 @@ def train(cfg: TrainConfig, target=None) -> dict:
             for leftover in _siblings(ck):  # of a killed save; the checkpoint just loaded is good
                 shutil.rmtree(leftover, ignore_errors=True)
             print(f"resuming from {ck} at step {step}/{total}", flush=True)
+    elif cfg.init_from:  # a fresh start only: a resumed run has its own weights (the init may be gone)
+        warm_start(model, cfg.init_from, target, cfg.method)
     if dist.main:  # records past the checkpoint (all of them when starting over) are written again
         trim_log(log_path, step)
         trim_log(out / "eval_log.jsonl", step)
