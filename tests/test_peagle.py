@@ -260,3 +260,33 @@ def test_training_raises_acceptance_and_matches_the_engine(tiny, tmp_path):
     assert ev["acceptance_unconditional"][0] > 0.3, ev
     assert json.loads((tmp_path / "pe" / "config.json").read_text())["para_depths"] == 3
     check_trained_drafter(tiny, cfg, untrained, ev, PEagleDrafter, "P-EAGLE")
+
+
+def test_warm_start_from_an_eagle3_drafter(tiny, tmp_path):
+    """--method peagle --init-from an EAGLE-3 folder: P-EAGLE's depth 1 is that EAGLE-3 head exactly
+    (same weights, same logits on the same states); only the mask state starts fresh. Another head
+    shape, or a drafter of a third kind, is refused by name."""
+    from verispec.drafters.eagle3 import load_eagle3
+    from verispec.drafters.head import CheckpointError
+    from verispec.train.trainer import train
+
+    target, folder, data, _ = tiny
+    train(_cfg(data, tmp_path / "e3", draft_vocab_size=16), target)
+    # more depths than the EAGLE-3 was trained with is fine: speculative_tokens is not a weight shape
+    train(_cfg(data, tmp_path / "pe", method="peagle", ttt_steps=3, init_from=str(tmp_path / "e3"),
+               draft_vocab_size=16, lr=0.0), target)
+    e3, pe = load_eagle3(tmp_path / "e3", target), load_peagle(tmp_path / "pe", target)
+    shared = e3.state_dict()
+    assert set(pe.state_dict()) - set(shared) == {"mask_hidden"}
+    assert all(torch.equal(shared[k], pe.state_dict()[k]) for k in shared)
+    ids = random_ids(9, TINY_V, seed=5)
+    aux = _aux(target, ids, e3.config.aux_layers)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        torch.testing.assert_close(pe(aux, ids, valid, steps=2)[0], e3(aux, ids, valid, steps=1)[0])
+    with pytest.raises(CheckpointError, match="intermediate_size"):
+        train(_cfg(data, tmp_path / "other", method="peagle", init_from=str(tmp_path / "e3"), draft_vocab_size=16,
+                   intermediate_size=32), target)
+    train(_cfg(data, tmp_path / "mtp", method="mtp", draft_vocab_size=16), target)
+    with pytest.raises(CheckpointError, match="not a --method peagle drafter; start from a P-EAGLE or EAGLE-3"):
+        train(_cfg(data, tmp_path / "x", method="peagle", init_from=str(tmp_path / "mtp"), draft_vocab_size=16), target)

@@ -192,20 +192,28 @@ def warm_start(model, path: str, target, method: str) -> None:
     trained weights are only meaningful for the ids they were trained on."""
     from ..drafters.head import CheckpointError
 
-    if (Path(path) / "config.json").is_file() and not type(model).is_checkpoint(path):
-        raise CheckpointError(f"--init-from {path}: not a --method {method} drafter; start from a drafter of "
-                              "this run's method")
-    src = type(model).load(path, target)
+    src_cls = type(model)
+    # A P-EAGLE head is an EAGLE-3 head plus the mask state of its depths >= 2: it can start from a
+    # trained EAGLE-3 (depth 1 is then that head exactly; only the mask state starts from scratch).
+    if method == "peagle" and Eagle3Model.is_checkpoint(path) and not type(model).is_checkpoint(path):
+        src_cls = Eagle3Model
+    if (Path(path) / "config.json").is_file() and not src_cls.is_checkpoint(path):
+        allowed = "a P-EAGLE or EAGLE-3 drafter" if method == "peagle" else "a drafter of this run's method"
+        raise CheckpointError(f"--init-from {path}: not a --method {method} drafter; start from {allowed}")
+    src = src_cls.load(path, target)
     # (this run's config through the same JSON round trip: fields the format does not store drop out)
     mine = asdict(type(model).config_from_json(model.config_json("float32"), "this run"))
     theirs = asdict(src.config)
+    if src_cls is not type(model):  # EAGLE-3 -> P-EAGLE: the fields of the shared head must agree
+        mine = {k: v for k, v in mine.items() if k in theirs and k != "speculative_tokens"}
     diff = sorted(k for k in mine if mine[k] != theirs.get(k))
     if diff:
         raise CheckpointError(f"--init-from {path}: its config differs from this run's in {', '.join(diff[:6])}; "
                               "train with the arguments it was trained with")
+    state = model.state_dict()  # (what the source lacks, P-EAGLE's mask state, keeps its fresh init)
+    state.update({k: v.to(state[k].dtype) for k, v in src.state_dict().items() if k in state})
     with torch.no_grad():
-        model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in src.state_dict().items()
-                               if k in model.state_dict()})
+        model.load_state_dict(state)
 
 
 def forward_loss(model, net, batch: dict, cfg: TrainConfig, head, cap, d2t, t2d, reduce=None, evaluation=False):
