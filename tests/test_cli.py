@@ -158,8 +158,11 @@ def test_quant_option_everywhere_and_checked(tmp_path, monkeypatch):
     assert preflight.precision_hint("bfloat16", "int8", "cpu") is None
     assert preflight.precision_hint("float32", "none", "cpu") is None
     assert preflight.precision_hint("bfloat16", "none", "cuda") is None
+    assert "--no-bf16" in preflight.train_precision_hint(True, "cpu")
+    assert preflight.train_precision_hint(False, "cpu") is None and preflight.train_precision_hint(True, "cuda:0") is None
     monkeypatch.setattr(preflight, "cpu_has_bf16_arithmetic", lambda: True)
     assert preflight.precision_hint("bfloat16", "none", "cpu") is None
+    assert preflight.train_precision_hint(True, "cpu") is None
 
 
 def test_option_constants_match_the_engine():

@@ -91,6 +91,12 @@ def cmd_train(args) -> int:
         progress=not args.no_progress,
         stop_after=args.stop_after,
     )
+    import sys
+
+    from .. import preflight
+
+    if hint := preflight.train_precision_hint(cfg.bf16, cfg.device or "cpu"):
+        print(hint, file=sys.stderr, flush=True)
     try:
         train(cfg)
     except (FileNotFoundError, ValueError) as e:
