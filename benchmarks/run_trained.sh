@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trained drafters (EAGLE-3, DSpark) against plain decoding, n-gram and the hybrid (n-gram
+# The trained drafters (EAGLE-3, P-EAGLE, DSpark) against plain decoding, n-gram and the hybrid (n-gram
 # where it matches, EAGLE-3 elsewhere), all at a fixed k = 5 chain, in one `verispec bench` run per
 # temperature (every ratio paired in its run): Gemma 3 270M, bfloat16, 128 new tokens, LIMIT
 # evenly spaced prompts of each of held-out chat (the benchmark's seeded ShareGPT sample, which the
@@ -18,14 +18,18 @@ VERISPEC="${VERISPEC:-verispec}"
 command -v "$VERISPEC" >/dev/null || VERISPEC="$(dirname "$(command -v python3)")/verispec"
 OUT="${OUT:-benchmarks/results/trained-$(date -u +%Y%m%dT%H%M%SZ)}"
 D="${DRAFTER:-drafters/gemma3-270m-eagle3}"
-P="${PARALLEL:-drafters/gemma3-270m-dspark}"
 methods="ngram@policy=fixed,$D@policy=fixed,hybrid:$D@policy=fixed"
-[ -f "$P/config.json" ] && methods="$methods,$P@policy=fixed"  # a parallel drafter, when trained
+for p in ${PARALLEL:-drafters/gemma3-270m-peagle drafters/gemma3-270m-dspark}; do  # parallel drafters, when trained
+    [ -f "$p/config.json" ] && methods="$methods,$p@policy=fixed"
+done
+for h in ${HYBRID_WITH:-}; do  # more hybrids: n-gram where it matches, drafter $h elsewhere
+    methods="$methods,hybrid:$h@policy=fixed"
+done
 for t in ${TEMPS:-0 1}; do
     extra=(--sample-check 0)
     [ "$t" = 0 ] && extra=(--sample-check "${SAMPLE_CHECK:-1}" --sample-n "${SAMPLE_N:-1000}")
     "$VERISPEC" bench \
-        --model "${MODEL:-gemma3-270m}" --dtype bfloat16 -k 5 \
+        --model "${MODEL:-gemma3-270m}" --dtype "${DTYPE:-bfloat16}" -k 5 \
         --datasets sharegpt,mtbench,humaneval --limit "${LIMIT:-6}" --spread \
         --max-tokens "${MAX_TOKENS:-128}" --rounds "${ROUNDS:-2}" --temperature "$t" \
         --drafters "$methods" --peers none --concurrency none "${extra[@]}" \

@@ -284,9 +284,19 @@ def test_warm_start_from_an_eagle3_drafter(tiny, tmp_path):
     valid = torch.ones_like(ids, dtype=torch.bool)
     with torch.no_grad():
         torch.testing.assert_close(pe(aux, ids, valid, steps=2)[0], e3(aux, ids, valid, steps=1)[0])
+    # a deeper head: the new layer starts as the identity, so depth 1 still drafts as the EAGLE-3
+    train(_cfg(data, tmp_path / "deep", method="peagle", ttt_steps=3, init_from=str(tmp_path / "e3"),
+               draft_vocab_size=16, lr=0.0, num_layers=2), target)
+    deep = load_peagle(tmp_path / "deep", target)
+    assert len(deep.layers) == 2 and not deep.layers[1].mlp.down_proj.weight.any()
+    with torch.no_grad():
+        torch.testing.assert_close(deep(aux, ids, valid, steps=2)[0], e3(aux, ids, valid, steps=1)[0])
     with pytest.raises(CheckpointError, match="intermediate_size"):
         train(_cfg(data, tmp_path / "other", method="peagle", init_from=str(tmp_path / "e3"), draft_vocab_size=16,
                    intermediate_size=32), target)
+    with pytest.raises(CheckpointError, match="num_layers.*more --num-layers than its init, not fewer"):
+        train(_cfg(data, tmp_path / "shallow", method="peagle", init_from=str(tmp_path / "deep"), draft_vocab_size=16),
+              target)
     train(_cfg(data, tmp_path / "mtp", method="mtp", draft_vocab_size=16), target)
     with pytest.raises(CheckpointError, match="not a --method peagle drafter; start from a P-EAGLE or EAGLE-3"):
         train(_cfg(data, tmp_path / "x", method="peagle", init_from=str(tmp_path / "mtp"), draft_vocab_size=16), target)

@@ -207,11 +207,22 @@ def warm_start(model, path: str, target, method: str) -> None:
     if src_cls is not type(model):  # EAGLE-3 -> P-EAGLE: the fields of the shared head must agree
         mine = {k: v for k, v in mine.items() if k in theirs and k != "speculative_tokens"}
     diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+    # An EAGLE-3 / P-EAGLE head may grow deeper than its init: the layers past the init's start as the
+    # identity (their attention and MLP output projections zero), so the grown head drafts exactly as
+    # the init did, and the new layers learn from there.
+    grow = isinstance(model, Eagle3Model) and mine["num_layers"] > theirs["num_layers"]
+    if grow:
+        diff.remove("num_layers")
     if diff:
         raise CheckpointError(f"--init-from {path}: its config differs from this run's in {', '.join(diff[:6])}; "
-                              "train with the arguments it was trained with")
+                              "train with the arguments it was trained with"
+                              + (" (a run may have more --num-layers than its init, not fewer)"
+                                 if "num_layers" in diff else ""))
     state = model.state_dict()  # (what the source lacks, P-EAGLE's mask state, keeps its fresh init)
     state.update({k: v.to(state[k].dtype) for k, v in src.state_dict().items() if k in state})
+    for layer in range(theirs["num_layers"], mine["num_layers"]) if grow else ():
+        for proj in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            state[f"layers.{layer}.{proj}"] = torch.zeros_like(state[f"layers.{layer}.{proj}"])
     with torch.no_grad():
         model.load_state_dict(state)
 
