@@ -8,8 +8,8 @@
 # step 0), and trains all depths at once on COD-sampled anchors (ratio 0.7, floor 0.2), KL to the
 # target per depth (weights 0.8^d), STEPS steps of 8 samples (default 60, about 35 s a step in fp32
 # on the AVX2-only 2-core EPYC of the run; bf16 autocast there ran 17x slower, so BF16=1 only where
-# the CPU has bf16 arithmetic (AVX512-BF16 / AMX) or on a GPU). Run 1 was LAYERS=1 STEPS=130, stopped
-# at step 68 (README.md).
+# the CPU has bf16 arithmetic (AVX512-BF16 / AMX) or on a GPU). Run 1 was LAYERS=1 STEPS=130 with
+# --eval-every 65, stopped at step 68; run 2 this script's defaults, stopped at step 30 (README.md).
 # Resumes when re-run with the same settings (a kill is safe):
 #   nohup drafters/gemma3-270m-peagle/run.sh > drafters/gemma3-270m-peagle/run.log 2>&1 &
 # PYTHON is the interpreter that has verispec installed.

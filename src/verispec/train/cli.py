@@ -3,6 +3,8 @@ and trainer.py, imported when a command runs (so that `verispec --help` imports 
 
 from __future__ import annotations
 
+import sys
+
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a drafter (EAGLE-3, P-EAGLE, DFlash or MTP) on `verispec data` output; "
@@ -91,8 +93,6 @@ def cmd_train(args) -> int:
         progress=not args.no_progress,
         stop_after=args.stop_after,
     )
-    import sys
-
     from .. import preflight
 
     if hint := preflight.train_precision_hint(cfg.bf16, cfg.device or "cpu"):
