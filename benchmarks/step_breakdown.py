@@ -1,6 +1,7 @@
 """Where the time of one plain decode step goes, per precision (torch profiler, batch 1).
 
     python benchmarks/step_breakdown.py --quant none,int8,int4 --tokens 32 --out benchmarks/results/quant
+    python benchmarks/step_breakdown.py --quant dense,none --out benchmarks/results/prepack   # bf16: row-major, prepacked
 
 Decodes --tokens tokens of the quick-start prompt once untimed, then under the profiler, and
 groups the operators' self CPU time per decode step into: projections (the matmul kernels of
@@ -34,7 +35,8 @@ from verispec.sampling import SamplingParams
 from verispec.threads import setup_threads
 
 MATMUL_OPS = {"aten::mm", "aten::mv", "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
-              "aten::_weight_int4pack_mm_for_cpu", "aten::linear", "aten::bmm"}
+              "aten::_weight_int4pack_mm_for_cpu", "aten::linear", "aten::bmm",
+              "mkldnn::_linear_pointwise"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention"}
 
 
@@ -81,7 +83,7 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
     # the prefill step ran before the profiler; every profiled step is a one-token decode step
     per_step = {k: v / 1e3 / steps for k, v in groups.items()}
     return {"wall_ms_per_step": sorted(walls)[1] * 1e3, "profiled_ms_per_step": per_step,
-            "weight_bytes": weight_bytes(model)}
+            "weight_bytes": weight_bytes(model), "prepacked": model.prepacked}
 
 
 def main() -> int:
@@ -99,7 +101,9 @@ def main() -> int:
     bw = read_bandwidth()
     rows = {}
     for q in args.quant.split(","):
-        model = load_model(args.model, DTYPES[args.dtype], **({} if q == "none" else {"quant": q}))
+        # "dense": bf16 in the row-major layout (where `none` is prepacked for oneDNN, models/prepack.py)
+        model = load_model(args.model, DTYPES[args.dtype], **({"prepack": False} if q == "dense" else
+                                                               {} if q == "none" else {"quant": q}))
         rows[q] = breakdown(model, tok, args.prompt, args.tokens)
         print(f"[breakdown] {q}: {rows[q]}", file=sys.stderr, flush=True)
         del model
@@ -117,7 +121,8 @@ def main() -> int:
         mb = r["weight_bytes"] / 1e6
         bound_ms = r["weight_bytes"] / (bw * 1e9) * 1e3
         p = r["profiled_ms_per_step"]
-        md.append(f"| {args.dtype if q == 'none' else q} | {mb:.0f} | {bound_ms:.1f} ms ({1e3 / bound_ms:.0f} tok/s) | "
+        name = {"none": args.dtype + (" (prepacked)" if r["prepacked"] else ""), "dense": args.dtype + " (row-major)"}.get(q, q)
+        md.append(f"| {name} | {mb:.0f} | {bound_ms:.1f} ms ({1e3 / bound_ms:.0f} tok/s) | "
                   f"{r['wall_ms_per_step']:.1f} | {1e3 / r['wall_ms_per_step']:.1f} | "
                   + " | ".join(f"{p.get(c, 0):.1f}" for c in cats) + " |")
     md += ["", "Profiled times are self CPU time per step under the profiler (it adds its own overhead to "

@@ -15,6 +15,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 OUT=${OUT:-drafters/gemma3-270m-dspark}
-$PY -m verispec.cli train --method dspark --data datasets/gemma3-270m-mix --max-prompts 1088 --out "$OUT" \
-    --draft-vocab-size 8192 --ttt-steps 6 --num-layers 2 --markov-rank 32 --fc-norm --anchors 64 --lr 8e-4 --epochs "${EPOCHS:-3}" \
+# Run 2 (session 13): N=2944 STEPS=800 OUT=data/runs/dspark-run2 (run 3's EAGLE-3 data budget).
+N=${N:-1088}
+length=(--epochs "${EPOCHS:-3}")
+[ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
+$PY -m verispec.cli train --method dspark --data datasets/gemma3-270m-mix --max-prompts "$N" --out "$OUT" \
+    --draft-vocab-size 8192 --ttt-steps 6 --num-layers 2 --markov-rank 32 --fc-norm --anchors 64 --lr 8e-4 "${length[@]}" \
     --batch-size 8 --max-len 768 --val-fraction 0.05 --save-every 20 --eval-every 100 --threads 2 --no-progress

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .prepack import PrepackedWeight
 from .quant import PackedWeight
 
 INVARIANT_ROWS = 64  # rows per GEMM call in invariant mode (bf16 CPU GEMM rows are count-invariant up to here)
@@ -48,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a verify window than in a one-token decode step.
     """
     M = x.numel() // x.shape[-1]
-    if isinstance(weight, PackedWeight):  # int8/int4 (quant.py): rows independent of the row count already
+    if isinstance(weight, (PackedWeight, PrepackedWeight)):  # int8/int4 (quant.py), blocked bf16 (prepack.py)
         y = weight.mm(x.reshape(M, x.shape[-1]), invariant)
         y = y if bias is None else y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -23,6 +23,7 @@ import torch
 from . import checkpoint
 from .config import ModelConfig
 from .model import CausalLM
+from .prepack import can_prepack, prepack_model
 from .quant import quantize_model
 
 log = logging.getLogger(__name__)
@@ -152,9 +153,10 @@ def check_dtype(cfg: ModelConfig, dtype: torch.dtype, name: str) -> None:
 
 
 def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-               quant: str = "none") -> CausalLM:
+               quant: str = "none", prepack: bool = True) -> CausalLM:
     """Our `CausalLM` with the weights of `name` (folder, .gguf, or the default model alias);
-    quant int8/int4: its projections and LM head quantized (quant.py)."""
+    quant int8/int4: its projections and LM head quantized (quant.py); bf16 on a CPU with bf16
+    arithmetic: prepacked for oneDNN (prepack.py) unless prepack=False (benchmarks compare the two)."""
     from safetensors.torch import load_file
 
     folder = hf_folder(name)
@@ -181,6 +183,8 @@ def load_model(name: str, dtype: torch.dtype = torch.bfloat16, device: str | tor
         sd.pop(k)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True, strict=True)
     model = model.to(device).eval().requires_grad_(False).fuse()
+    if quant == "none" and prepack and can_prepack(dtype, device):
+        return prepack_model(model)  # bf16 on a CPU with bf16 arithmetic: oneDNN's blocked layout (prepack.py)
     return quantize_model(model, quant)
 
 

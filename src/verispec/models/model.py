@@ -58,7 +58,8 @@ class CausalLM(nn.Module):
         self._rope_len = 0  # RoPE table rows; grown by new_cache to the longest cache
         self.invariant = False
         self.quant = "none"  # none | int8 | int4 (quant.quantize_model)
-        self.packed_head = None  # the quantized LM head (quant.PackedWeight)
+        self.packed_head = None  # the quantized or prepacked LM head (quant.PackedWeight, prepack.PrepackedWeight)
+        self.prepacked = False  # bf16 projections in oneDNN's blocked layout (prepack.py)
 
     def set_batch_invariant(self, on: bool) -> "CausalLM":
         """Exact mode: every matmul gives a row the same bits whatever else is in the batch."""
@@ -85,8 +86,9 @@ class CausalLM(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to()/.half() replace parameters; fused matrices are plain tensors, so rebuild them after
-        if self.quant != "none":
-            raise RuntimeError("a quantized model cannot be moved or cast; quantize it where it runs, last")
+        if self.quant != "none" or self.prepacked:
+            raise RuntimeError(f"a {'quantized' if self.quant != 'none' else 'prepacked'} model cannot be moved or "
+                               f"cast; load it where it runs, in the dtype it runs in")
         super()._apply(fn, recurse)
         if getattr(self, "_fused", False):
             self.fuse()
@@ -94,6 +96,8 @@ class CausalLM(nn.Module):
         return self
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
+        if self.quant != "none" or self.prepacked:
+            raise RuntimeError("the weights of a quantized or prepacked model are packed; load the state into a fresh model")
         out = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if getattr(self, "_fused", False):
             self.fuse()

@@ -141,6 +141,8 @@ def quantize_model(model, mode: str, group_size: int = INT4_GROUP):
         return model
     if model.quant != "none":
         raise ValueError(f"the model is quantized already ({model.quant})")
+    if model.prepacked:
+        raise ValueError("the model is prepacked (bf16, prepack.py); quantize a model loaded with quant='none' before packing")
     if not getattr(model, "_fused", False):
         model.fuse()
     for layer in model.model.layers:

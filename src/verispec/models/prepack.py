@@ -1,0 +1,81 @@
+"""bf16 weights in oneDNN's blocked layout, for decode-sized matmuls on CPUs with bf16 arithmetic.
+
+A decode step multiplies a handful of rows by every weight once, so it should be bound by reading
+the weights. With a plain row-major bf16 weight it is not: on the 2-core AVX512-BF16 EPYC, Gemma 3
+270M's 262,144 x 640 LM head (335 MB) takes 29 ms through `F.linear` for one row and 38 ms through
+`weight @ x.T` for the few rows of a verify window, where summing the same bytes takes 10 ms. The
+same weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and run
+by `mkldnn._linear_pointwise` takes 14-17 ms for 1 to 6 rows, and the decoder's projections 2.5-3x
+less than before (`benchmarks/results/prepack`, README "Prepacked bf16 weights").
+
+Batch invariance (a row's bits do not depend on how many rows share the call, which keeps
+speculative verification identical to plain decoding, tests/test_exact_numerics.py): for inputs
+wider than 1,024 the kernel computes a lone row differently from two or more (measured: 640 x 2048,
+a one-row call differs from the same row among others in some values), while every call of 2 to 64
+rows gives each row the bits it has in any other such call (checked for widths 640-4,096 and 2-64
+rows). So invariant calls pad a lone row to two and cut wider inputs into blocks of at most
+`layers.INVARIANT_ROWS` rows; ordinary calls go to the kernel as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+def can_prepack(dtype: torch.dtype, device) -> bool:
+    """bf16 on a CPU that multiplies bf16 in hardware (elsewhere the blocked kernels are not measured)."""
+    from .layers import bf16_native
+
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16_native()
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PrepackedWeight:
+    """A bf16 weight [N, K] (and bias [N]) reordered for oneDNN; `mm(x [M, K]) -> [M, N]`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"prepacking takes a 2-d bf16 CPU weight, not {weight.dtype} {tuple(weight.shape)} "
+                             f"on {weight.device}")
+        self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)  # batch-size hint 1
+        self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def mm(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """x [M, K] (bf16) -> x @ W.T + b [M, N]; invariant: each row's bits independent of M."""
+        x = x.contiguous()
+        if not invariant:
+            return self._call(x)
+        if x.shape[0] == 1:
+            return self._call(torch.cat([x, torch.zeros_like(x)]))[:1]
+        from .layers import INVARIANT_ROWS
+
+        return torch.cat([self._call(b) for b in x.split(INVARIANT_ROWS)])
+
+
+def prepack_model(model):
+    """Reorder the decoder projections and the LM head of a fused bf16 `CausalLM` in place (the
+    embedding table stays: a lookup reads one row). The projections' dense weights are dropped;
+    the model can no longer be moved or cast (load it where it runs)."""
+    if model.quant != "none" or getattr(model, "prepacked", False):
+        raise ValueError(f"the model's weights are packed already ({model.quant if model.quant != 'none' else 'bf16'})")
+    if not getattr(model, "_fused", False):
+        model.fuse()
+    empty = lambda: nn.Parameter(torch.empty(0, dtype=model.dtype, device=model.device), requires_grad=False)  # noqa: E731
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv = (PrepackedWeight(*attn.qkv), None)
+        attn.out = (PrepackedWeight(attn.o_proj.weight, attn.o_proj.bias), None)
+        mlp.gate_up = (PrepackedWeight(*mlp.gate_up), None)
+        mlp.down = (PrepackedWeight(mlp.down_proj.weight, mlp.down_proj.bias), None)
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            m.weight = empty()
+    model.packed_head = PrepackedWeight(model.head_weight())
+    if not model.config.tie_word_embeddings:
+        model.lm_head.weight = empty()
+    model.prepacked = True
+    return model
