@@ -91,3 +91,28 @@ def test_greedy_on_a_prepacked_target_equals_its_plain_decoding(family, drafter)
     spec, seqs = run(target, factory, prompts, k=4)
     assert spec == plain
     assert sum(s.stats.accepted for s in seqs) > 0, "nothing accepted: the check would be vacuous"
+
+
+def test_a_served_draft_head_runs_prepacked_and_stays_lossless(tmp_path):
+    """`make_drafter` on a bf16 target prepacks the head's layers and LM head (models/prepack.py
+    `prepack_head`): its logits agree with the dense head's, and decoding equals plain decoding."""
+    from test_eagle3 import _engine_run, random_eagle
+    from verispec.drafters import make_drafter
+    from verispec.drafters.eagle3 import Eagle3Drafter
+    from verispec.sampling import SamplingParams
+
+    dense = ours_from_hf(build_hf("gemma3")).to(torch.bfloat16)
+    target = prepack_model(copy.deepcopy(dense).fuse())
+    random_eagle(dense, draft_vocab=100).save(tmp_path / "e3", dtype=torch.bfloat16)
+    d = make_drafter(str(tmp_path / "e3"), target, 3, 101, torch.bfloat16, "cpu")
+    assert isinstance(d, Eagle3Drafter) and isinstance(d.model.packed_head, PrepackedWeight)
+    assert all(isinstance(layer.self_attn.qkv[0], PrepackedWeight) and isinstance(layer.mlp.down[0], PrepackedWeight)
+               for layer in d.model.layers)
+    y = torch.randn(3, dense.config.hidden_size, generator=torch.Generator().manual_seed(6)).bfloat16()
+    want = y.float() @ d.model.lm_head.weight.float().t()
+    torch.testing.assert_close(d.model.head_logits(y), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    prompts = [random_ids(n, 160, seed=n)[0].tolist() for n in (9, 4, 13)]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain, _ = _engine_run(target, None, prompts, sp)
+    out, seqs = _engine_run(target, d, prompts, sp)
+    assert out == plain and all(s.stats.drafted > 0 for s in seqs)

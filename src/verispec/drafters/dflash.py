@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..models.layers import RMSNorm, linear, rotate
+from ..models.prepack import prepack_head
 from ..sequence import Sequence
 from . import expand
 from .base import Draft, DrafterBase, register
@@ -380,6 +381,7 @@ def is_dflash_dir(path: str) -> bool:
 
 def make_dflash_drafter(path: str, target, max_batch: int, max_len: int, dtype, device) -> DFlashDrafter:
     model = load_dflash(path, target, dtype=target.dtype).to(device)
+    prepack_head(model)  # bf16 on a CPU with bf16 arithmetic: oneDNN's blocked layout
     model.set_embedding(target.model.embed_tokens.weight)
     return DFlashDrafter(model, target, max_batch, max_len, name=f"dflash:{path}")
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..models.prepack import prepack_head
 from ..sequence import Sequence
 from . import expand
 from .base import Draft, register
@@ -198,6 +199,7 @@ def is_dspark_dir(path: str) -> bool:
 
 def make_dspark_drafter(path: str, target, max_batch: int, max_len: int, dtype, device) -> DSparkDrafter:
     model = load_dspark(path, target, dtype=target.dtype).to(device)
+    prepack_head(model)  # bf16 on a CPU with bf16 arithmetic: oneDNN's blocked layout
     model.set_embedding(target.model.embed_tokens.weight)
     return DSparkDrafter(model, target, max_batch, max_len, name=f"dspark:{path}")
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..models.layers import DecoderLayer, RMSNorm, linear
+from ..models.prepack import prepack_head
 from ..sequence import Sequence
 from .base import Draft, DrafterBase, register
 from . import expand
@@ -527,6 +528,7 @@ def _make(arg: str, ctx) -> "Eagle3Drafter":
 
 def make_eagle3_drafter(path: str, target, max_batch: int, max_len: int, dtype: torch.dtype, device) -> Eagle3Drafter:
     model = load_eagle3(path, target, dtype=target.dtype).to(device)
+    prepack_head(model)  # bf16 on a CPU with bf16 arithmetic: oneDNN's blocked layout
     model.set_embedding(target.model.embed_tokens.weight)
     return Eagle3Drafter(model, target, max_batch, max_len, name=f"eagle3:{path}")
 

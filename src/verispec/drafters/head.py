@@ -108,6 +108,7 @@ class DraftHead(nn.Module):
         self.layers = nn.ModuleList(first + [DecoderLayer(lc) for _ in range(c.num_layers - len(first))])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.packed_head = None  # the LM head prepacked for serving (models/prepack.py `prepack_head`)
         self.use_draft_vocab = c.draft_vocab_size != c.vocab_size
         if self.use_draft_vocab:
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
@@ -177,7 +178,7 @@ class DraftHead(nn.Module):
 
     def head_logits(self, y: torch.Tensor) -> torch.Tensor:
         """Post-norm state -> fp32 logits over the draft vocabulary."""
-        return linear(y, self.lm_head.weight).float()
+        return linear(y, self.packed_head or self.lm_head.weight).float()
 
     def step(self, ids, hidden, positions, kvs):
         """One draft step (`step_states` of the subclass, then the LM head): returns (next hidden

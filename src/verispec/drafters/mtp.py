@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..models.layers import RMSNorm, linear
+from ..models.prepack import prepack_head
 from .base import register
 from .eagle3 import Eagle3Config, Eagle3Drafter, check_config_types
 from .head import CheckpointError, DraftHead
@@ -81,6 +82,7 @@ def load_mtp(path, target=None, dtype: torch.dtype = torch.float32) -> MTPModel:
 
 def make_mtp_drafter(path: str, target, max_batch: int, max_len: int, dtype, device) -> Eagle3Drafter:
     model = load_mtp(path, target, dtype=target.dtype).to(device)
+    prepack_head(model)  # bf16 on a CPU with bf16 arithmetic: oneDNN's blocked layout
     return Eagle3Drafter(model, target, max_batch, max_len, name=f"mtp:{path}")
 
 

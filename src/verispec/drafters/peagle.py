@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..models.prepack import prepack_head
 from ..sequence import Sequence
 from . import expand
 from .base import Draft, register
@@ -167,6 +168,7 @@ def is_peagle_dir(path: str) -> bool:
 
 def make_peagle_drafter(path: str, target, max_batch: int, max_len: int, dtype, device) -> PEagleDrafter:
     model = load_peagle(path, target, dtype=target.dtype).to(device)
+    prepack_head(model)  # bf16 on a CPU with bf16 arithmetic: oneDNN's blocked layout
     model.set_embedding(target.model.embed_tokens.weight)
     return PEagleDrafter(model, target, max_batch, max_len, name=f"peagle:{path}")
 

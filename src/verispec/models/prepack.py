@@ -79,3 +79,26 @@ def prepack_model(model):
         model.lm_head.weight = empty()
     model.prepacked = True
     return model
+
+
+def prepack_head(head):
+    """A draft head at serving time (drafters/head.py `DraftHead`), where its dtype and device allow:
+    the projections of its decoder layers and its LM head run prepacked. The dense weights stay
+    (a head is a few MB, and some drafters read a projection's weight directly, e.g. DFlash's
+    context keys). Returns the head."""
+    from .layers import MLP, Attention
+
+    if not can_prepack(head.lm_head.weight.dtype, head.lm_head.weight.device):
+        return head
+    for m in head.modules():
+        if isinstance(m, Attention):
+            projs = (m.q_proj, m.k_proj, m.v_proj)
+            bias = torch.cat([p.bias for p in projs]) if m.q_proj.bias is not None else None
+            m.qkv = (PrepackedWeight(torch.cat([p.weight for p in projs]), bias), None)
+            m.out = (PrepackedWeight(m.o_proj.weight, m.o_proj.bias), None)
+        elif isinstance(m, MLP):
+            bias = torch.cat([m.gate_proj.bias, m.up_proj.bias]) if m.gate_proj.bias is not None else None
+            m.gate_up = (PrepackedWeight(torch.cat([m.gate_proj.weight, m.up_proj.weight]), bias), None)
+            m.down = (PrepackedWeight(m.down_proj.weight, m.down_proj.bias), None)
+    head.packed_head = PrepackedWeight(head.lm_head.weight)
+    return head
