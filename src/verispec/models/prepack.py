@@ -58,9 +58,10 @@ class PrepackedWeight:
 
 
 def prepack_model(model):
-    """Reorder the decoder projections and the LM head of a fused bf16 `CausalLM` in place (the
-    embedding table stays: a lookup reads one row). The projections' dense weights are dropped;
-    the model can no longer be moved or cast (load it where it runs)."""
+    """Reorder the decoder projections and the LM head of a fused bf16 `CausalLM` in place. The
+    projections' dense weights are dropped; the LM head's stays (it is the embedding table when
+    tied, and drafter training reads the target's head rows). The model can no longer be moved or
+    cast (load it where it runs)."""
     if model.quant != "none" or getattr(model, "prepacked", False):
         raise ValueError(f"the model's weights are packed already ({model.quant if model.quant != 'none' else 'bf16'})")
     if not getattr(model, "_fused", False):
@@ -74,9 +75,7 @@ def prepack_model(model):
         mlp.down = (PrepackedWeight(mlp.down_proj.weight, mlp.down_proj.bias), None)
         for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             m.weight = empty()
-    model.packed_head = PrepackedWeight(model.head_weight())
-    if not model.config.tie_word_embeddings:
-        model.lm_head.weight = empty()
+    model.packed_head = PrepackedWeight(model.head_weight())  # the dense head stays: drafter training reads its rows
     model.prepacked = True
     return model
 
