@@ -15,7 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
 OUT=${OUT:-drafters/gemma3-270m-dspark}
-# Run 2 (session 13): N=2944 STEPS=800 OUT=data/runs/dspark-run2 (run 3's EAGLE-3 data budget).
+# A longer run on run 3's EAGLE-3 data budget: N=2944 STEPS=800 OUT=data/runs/dspark-run2 (started in session 13,
+# stopped at step 48 to free the CPU for engine work; not run to the end).
 N=${N:-1088}
 length=(--epochs "${EPOCHS:-3}")
 [ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
