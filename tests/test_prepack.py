@@ -116,3 +116,13 @@ def test_a_served_draft_head_runs_prepacked_and_stays_lossless(tmp_path):
     plain, _ = _engine_run(target, None, prompts, sp)
     out, seqs = _engine_run(target, d, prompts, sp)
     assert out == plain and all(s.stats.drafted > 0 for s in seqs)
+
+
+def test_a_cpu_whose_rows_fail_the_probe_is_not_prepacked(monkeypatch):
+    """`can_prepack` asks the once-per-process row-invariance probe: where it fails (another oneDNN
+    kernel choice), bf16 stays on the row-major path instead of risking lossless decoding."""
+    from verispec.models import prepack
+
+    assert prepack.rows_invariant_here()  # this CPU passes (the module would be skipped otherwise)
+    monkeypatch.setattr(prepack, "_ROWS_INVARIANT", [False])
+    assert not prepack.can_prepack(torch.bfloat16, "cpu")

@@ -9,12 +9,14 @@ by `mkldnn._linear_pointwise` takes 14-17 ms for 1 to 6 rows, and the decoder's 
 less than before (`benchmarks/results/prepack`, README "Prepacked bf16 weights").
 
 Batch invariance (a row's bits do not depend on how many rows share the call, which keeps
-speculative verification identical to plain decoding, tests/test_exact_numerics.py): for inputs
+speculative verification identical to plain decoding; tests/test_prepack.py): for inputs
 wider than 1,024 the kernel computes a lone row differently from two or more (measured: 640 x 2048,
 a one-row call differs from the same row among others in some values), while every call of 2 to 64
 rows gives each row the bits it has in any other such call (checked for widths 640-4,096 and 2-64
 rows). So invariant calls pad a lone row to two and cut wider inputs into blocks of at most
-`layers.INVARIANT_ROWS` rows; ordinary calls go to the kernel as they are.
+`layers.INVARIANT_ROWS` rows; ordinary calls go to the kernel as they are. Those measurements are
+of one CPU and oneDNN version, so `can_prepack` repeats a small version of the check once per
+process before anything is prepacked.
 """
 
 from __future__ import annotations
@@ -22,12 +24,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+_ROWS_INVARIANT: list[bool] = []
+
+
 def can_prepack(dtype: torch.dtype, device) -> bool:
-    """bf16 on a CPU that multiplies bf16 in hardware (elsewhere the blocked kernels are not measured)."""
+    """bf16 on a CPU that multiplies bf16 in hardware (elsewhere the blocked kernels are not
+    measured), and where a probe finds the invariant path's rows independent of the row count
+    (`rows_invariant_here`): a CPU whose oneDNN picks its kernels otherwise (AMX tiles, another
+    version) keeps the row-major path rather than risk speculative output differing from plain."""
     from .layers import bf16_native
 
     return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16_native()
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and rows_invariant_here())
+
+
+def rows_invariant_here() -> bool:
+    """Once per process: do invariant `PrepackedWeight.mm` calls of 2 to 70 rows give every row the
+    bits it has alone, for an input of 640 and one of 2,048 (either side of the width where oneDNN
+    treats a lone row differently)? About 20 ms."""
+    if not _ROWS_INVARIANT:
+        g = torch.Generator().manual_seed(0)
+        ok = True
+        with torch.inference_mode():
+            for n, k in ((256, 640), (256, 2048)):
+                pw = PrepackedWeight(torch.randn(n, k, generator=g).bfloat16())
+                X = torch.randn(70, k, generator=g).bfloat16()
+                alone = torch.cat([pw.mm(X[i : i + 1], invariant=True) for i in range(len(X))])
+                ok &= all(torch.equal(pw.mm(X[:m], invariant=True), alone[:m]) for m in (2, 3, 5, 16, 17, 33, 64, 65, 70))
+        _ROWS_INVARIANT.append(ok)
+    return _ROWS_INVARIANT[0]
 
 
 class PrepackedWeight:
