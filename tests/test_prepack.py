@@ -22,12 +22,24 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(params=["native", "onednn"])
+def kernel(request, monkeypatch):
+    """Both kernels a PrepackedWeight can run: verispec's own (kernels/bf16_gemm.c) and oneDNN's."""
+    from verispec import kernels
+
+    if request.param == "native" and kernels.bf16_gemm() is None:
+        pytest.skip(f"native bf16 kernel unavailable: {kernels.why_not()}")
+    if request.param == "onednn":
+        monkeypatch.setitem(kernels._LOADED, "bf16_gemm", None)
+    return request.param
+
+
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(n, k, generator=g) * 0.05).bfloat16()
 
 
-def test_kernel_computes_the_weight_and_bias():
+def test_kernel_computes_the_weight_and_bias(kernel):
     w, b = _weight(96, 128, 0), _weight(1, 96, 1)[0]
     pw = PrepackedWeight(w, b)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -40,10 +52,11 @@ def test_kernel_computes_the_weight_and_bias():
 
 
 @pytest.mark.parametrize("shape", [(4096, 640), (640, 2048), (640, 1280)])
-def test_rows_do_not_depend_on_the_row_count(shape):
+def test_rows_do_not_depend_on_the_row_count(shape, kernel):
     """Invariant calls give every row the bits it has alone, for 1 to 70 rows and at any position
-    (the kernel computes a lone row of an input wider than 1,024 differently from two rows, and the
-    invariant path pads it: widths 2048 and 1280 fail without that)."""
+    (oneDNN computes a lone row of an input wider than 1,024 differently from two rows, and the
+    invariant path pads it: widths 2048 and 1280 fail without that; verispec's kernel computes
+    every row alone)."""
     pw = PrepackedWeight(_weight(*shape, 3))
     X = torch.randn(70, shape[1], generator=torch.Generator().manual_seed(4)).bfloat16()
     alone = torch.cat([pw.mm(X[i : i + 1], invariant=True) for i in range(len(X))])

@@ -1,22 +1,22 @@
-"""bf16 weights in oneDNN's blocked layout, for decode-sized matmuls on CPUs with bf16 arithmetic.
+"""bf16 weights in a blocked layout, for decode-sized matmuls on CPUs with bf16 arithmetic.
 
 A decode step multiplies a handful of rows by every weight once, so it should be bound by reading
 the weights. With a plain row-major bf16 weight it is not: on the 2-core AVX512-BF16 EPYC, Gemma 3
 270M's 262,144 x 640 LM head (335 MB) takes 29 ms through `F.linear` for one row and 38 ms through
-`weight @ x.T` for the few rows of a verify window, where summing the same bytes takes 10 ms. The
-same weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and run
-by `mkldnn._linear_pointwise` takes 14-17 ms for 1 to 6 rows, and the decoder's projections 2.5-3x
-less than before (`benchmarks/results/prepack`, README "Prepacked bf16 weights").
+`weight @ x.T` for the few rows of a verify window, where summing the same bytes takes 10 ms.
 
-Batch invariance (a row's bits do not depend on how many rows share the call, which keeps
-speculative verification identical to plain decoding; tests/test_prepack.py): for inputs
-wider than 1,024 the kernel computes a lone row differently from two or more (measured: 640 x 2048,
-a one-row call differs from the same row among others in some values), while every call of 2 to 64
-rows gives each row the bits it has in any other such call (checked for widths 640-4,096 and 2-64
-rows). So invariant calls pad a lone row to two and cut wider inputs into blocks of at most
-`layers.INVARIANT_ROWS` rows; ordinary calls go to the kernel as they are. Those measurements are
-of one CPU and oneDNN version, so `can_prepack` repeats a small version of the check once per
-process before anything is prepacked.
+Two kernels run a `PrepackedWeight`:
+- verispec's own (kernels/bf16_gemm.c), where it builds (AVX512-BF16 and a C compiler): 128-row
+  groups interleaved by column pairs, one AVX512-BF16 dot-product lane per output, 24-31 GB/s at
+  1-2 rows against 12-20 for oneDNN in the same run; each row is computed alone, so its bits do
+  not depend on the rest of the call (batch invariance by construction);
+- otherwise oneDNN's blocked layout (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`).
+  For inputs wider than 1,024 it computes a lone row differently from two or more, while every
+  call of 2 to 64 rows gives each row the bits it has in any other such call (checked for widths
+  640-4,096 and 2-64 rows). So its invariant calls pad a lone row to two and cut wider inputs into
+  blocks of at most `layers.INVARIANT_ROWS` rows; ordinary calls go to the kernel as they are.
+Either way `can_prepack` checks a small version of the row-invariance once per process before
+anything is prepacked (those measurements are of one CPU and library version).
 """
 
 from __future__ import annotations
@@ -57,23 +57,38 @@ def rows_invariant_here() -> bool:
 
 
 class PrepackedWeight:
-    """A bf16 weight [N, K] (and bias [N]) reordered for oneDNN; `mm(x [M, K]) -> [M, N]`."""
+    """A bf16 weight [N, K] (and bias [N]) reordered for a decode-sized kernel; `mm(x [M, K]) -> [M, N]`.
+
+    The kernel is verispec's own (kernels/bf16_gemm.c) where it builds, else oneDNN's."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        from ..kernels import bf16_gemm, pack_bf16
+
         if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"prepacking takes a 2-d bf16 CPU weight, not {weight.dtype} {tuple(weight.shape)} "
                              f"on {weight.device}")
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)  # batch-size hint 1
-        self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
         self.nbytes = weight.numel() * weight.element_size()
+        self.native = bf16_gemm() if weight.shape[1] % 2 == 0 else None
+        if self.native is not None:
+            self.packed = pack_bf16(weight)
+            self.bias = None if bias is None else bias.detach().float().contiguous()
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)  # batch-size hint 1
+            self.bias = None if bias is None else bias.detach().to(weight.dtype).contiguous()
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def mm(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [M, K] (bf16) -> x @ W.T + b [M, N]; invariant: each row's bits independent of M."""
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"a prepacked bf16 weight multiplies bf16 inputs, not {x.dtype}")
         x = x.contiguous()
+        if self.native is not None:  # every row on its own in any call: invariant as it is
+            from ..kernels import run_bf16_gemm
+
+            return run_bf16_gemm(self.native, x, self.packed, self.bias, self.shape[0])
         if not invariant:
             return self._call(x)
         if x.shape[0] == 1:

@@ -1,0 +1,84 @@
+"""verispec's own bf16 matmul (kernels/bf16_gemm.c): it computes x @ W.T + b, a row's bits depend
+on nothing but that row (not the row count, its position, nor the thread count), and where it
+cannot be built the reason is given and prepacked weights fall back to oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import kernels
+from verispec.kernels import bf16_gemm, pack_bf16, run_bf16_gemm
+from verispec.models.prepack import PrepackedWeight
+
+needs_kernel = pytest.mark.skipif(bf16_gemm() is None, reason=f"native bf16 kernel unavailable: {kernels.why_not()}")
+
+
+def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", [(1, 2), (17, 30), (128, 64), (200, 640), (1536, 640), (640, 2048)])
+def test_kernel_computes_x_times_w_transposed_plus_bias(N, K):
+    """Against fp32 matmul of the same bf16 values, to bf16 rounding: N not a multiple of the
+    128-row group (padding rows must not leak into the output) and K not a multiple of 32."""
+    w, b = _rand(N, K, seed=0, scale=0.05), torch.randn(N, generator=torch.Generator().manual_seed(1))
+    packed = pack_bf16(w)
+    for M in (1, 3, 70):
+        x = _rand(M, K, seed=M)
+        ref = x.float() @ w.float().t()
+        for bias in (None, b):
+            want = ref if bias is None else ref + bias
+            got = run_bf16_gemm(bf16_gemm(), x, packed, bias, N)
+            assert got.shape == (M, N) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item() + 1e-6)
+
+
+@needs_kernel
+def test_a_rows_bits_do_not_depend_on_the_call():
+    """Each of 70 rows alone, among 1-70 others at any position, and on one thread or two: the same bits."""
+    N, K = 640, 2048
+    packed = pack_bf16(_rand(N, K, seed=2, scale=0.05))
+    X = _rand(70, K, seed=3)
+    fn = bf16_gemm()
+    alone = torch.cat([run_bf16_gemm(fn, X[i : i + 1], packed, None, N) for i in range(len(X))])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for M in (2, 3, 5, 16, 17, 64, 70):
+                assert torch.equal(run_bf16_gemm(fn, X[:M].contiguous(), packed, None, N), alone[:M]), (t, M)
+                assert torch.equal(run_bf16_gemm(fn, X[70 - M :].contiguous(), packed, None, N), alone[70 - M :]), (t, M)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_prepacked_weights_use_it_and_refuse_other_inputs():
+    pw = PrepackedWeight(_rand(96, 64, seed=4))
+    assert pw.native is not None and pw.packed.shape == (1, 32, 128, 2)
+    with pytest.raises(TypeError, match="multiplies bf16 inputs, not torch.float32"):
+        pw.mm(torch.zeros(1, 64))
+    assert PrepackedWeight(_rand(96, 63, seed=5)).native is None  # odd K: the kernel reads column pairs
+
+
+def test_unavailable_kernel_says_why_and_prepacking_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    monkeypatch.setattr(kernels, "_WHY_NOT", [])
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("VERISPEC_NATIVE", "1")
+    assert bf16_gemm() is None
+    assert kernels.why_not() is not None
+    if kernels._cpu_flag("avx512_bf16"):
+        assert "no C compiler" in kernels.why_not()
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    monkeypatch.setenv("VERISPEC_NATIVE", "0")
+    assert bf16_gemm() is None and kernels.why_not() == "VERISPEC_NATIVE=0"
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        w = _rand(96, 64, seed=6)
+        x = _rand(3, 64, seed=7)
+        pw = PrepackedWeight(w)
+        assert pw.native is None
+        torch.testing.assert_close(pw.mm(x, invariant=True).float(), x.float() @ w.float().t(), rtol=1e-2, atol=1e-2)
