@@ -1,7 +1,10 @@
 """Where the time of one plain decode step goes, per precision (torch profiler, batch 1).
 
     python benchmarks/step_breakdown.py --quant none,int8,int4 --tokens 32 --out benchmarks/results/quant
-    python benchmarks/step_breakdown.py --quant dense,none --out benchmarks/results/prepack   # bf16: row-major, prepacked
+    python benchmarks/step_breakdown.py --quant dense,onednn,none --out benchmarks/results/native   # bf16 layouts
+
+bf16 rows: `dense` is the row-major layout, `onednn` prepacked for oneDNN's kernels, `none` the
+default (prepacked for verispec's own kernel where it builds, verispec/kernels).
 
 Decodes --tokens tokens of the quick-start prompt once untimed, then under the profiler, and
 groups the operators' self CPU time per decode step into: projections (the matmul kernels of
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from verispec import kernels
 from verispec.engine import DTYPES, Engine, EngineConfig
 from verispec.models import load_model, load_tokenizer
 try:
@@ -34,9 +38,10 @@ except ImportError:  # a verispec from before quantization (PYTHONPATH=an older 
 from verispec.sampling import SamplingParams
 from verispec.threads import setup_threads
 
+NATIVE_OP = "verispec::bf16_gemm"  # a ctypes call the profiler cannot see: labelled while profiling
 MATMUL_OPS = {"aten::mm", "aten::mv", "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
               "aten::_weight_int4pack_mm_for_cpu", "aten::linear", "aten::bmm",
-              "mkldnn::_linear_pointwise"}
+              "mkldnn::_linear_pointwise", NATIVE_OP, NATIVE_OP + " (LM head)"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention"}
 
 
@@ -68,14 +73,24 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
     decode(model, tok, prompt, 8)  # warm-up
     walls = [decode(model, tok, prompt, tokens)[1] for _ in range(3)]
     head_n = model.config.vocab_size
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        _, _, steps = decode(model, tok, prompt, tokens)
+    native = kernels.run_bf16_gemm
+
+    def labelled(fn, x, packed, bias, N):
+        with torch.profiler.record_function(NATIVE_OP + (" (LM head)" if N == head_n else "")):
+            return native(fn, x, packed, bias, N)
+
+    kernels.run_bf16_gemm = labelled
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            _, _, steps = decode(model, tok, prompt, tokens)
+    finally:
+        kernels.run_bf16_gemm = native
     groups = defaultdict(float)
     for ev in prof.key_averages(group_by_input_shape=True):
         us = ev.self_cpu_time_total
         shapes = str(ev.input_shapes)
         if ev.key in MATMUL_OPS:
-            groups["LM head" if str(head_n) in shapes else "projections"] += us
+            groups["LM head" if str(head_n) in shapes or "LM head" in ev.key else "projections"] += us
         elif ev.key in ATTENTION_OPS:
             groups["attention"] += us
         else:
@@ -101,10 +116,17 @@ def main() -> int:
     bw = read_bandwidth()
     rows = {}
     for q in args.quant.split(","):
-        # "dense": bf16 in the row-major layout (where `none` is prepacked for oneDNN, models/prepack.py)
-        model = load_model(args.model, DTYPES[args.dtype], **({"prepack": False} if q == "dense" else
-                                                               {} if q == "none" else {"quant": q}))
+        # "dense": bf16 in the row-major layout; "onednn": prepacked for oneDNN (models/prepack.py)
+        native = kernels.bf16_gemm()
+        if q == "onednn":
+            kernels._LOADED["bf16_gemm"] = None
+        try:
+            model = load_model(args.model, DTYPES[args.dtype], **({"prepack": False} if q == "dense" else
+                                                                   {} if q in ("none", "onednn") else {"quant": q}))
+        finally:
+            kernels._LOADED["bf16_gemm"] = native
         rows[q] = breakdown(model, tok, args.prompt, args.tokens)
+        rows[q]["kernel"] = ("verispec" if model.packed_head.native is not None else "oneDNN") if model.prepacked else None
         print(f"[breakdown] {q}: {rows[q]}", file=sys.stderr, flush=True)
         del model
     out = Path(args.out)
@@ -121,7 +143,8 @@ def main() -> int:
         mb = r["weight_bytes"] / 1e6
         bound_ms = r["weight_bytes"] / (bw * 1e9) * 1e3
         p = r["profiled_ms_per_step"]
-        name = {"none": args.dtype + (" (prepacked)" if r["prepacked"] else ""), "dense": args.dtype + " (row-major)"}.get(q, q)
+        packed = f" (prepacked, {r['kernel']} kernel)" if r["prepacked"] else ""
+        name = {"none": args.dtype + packed, "onednn": args.dtype + packed, "dense": args.dtype + " (row-major)"}.get(q, q)
         md.append(f"| {name} | {mb:.0f} | {bound_ms:.1f} ms ({1e3 / bound_ms:.0f} tok/s) | "
                   f"{r['wall_ms_per_step']:.1f} | {1e3 / r['wall_ms_per_step']:.1f} | "
                   + " | ".join(f"{p.get(c, 0):.1f}" for c in cats) + " |")

@@ -22,7 +22,7 @@ def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
 @pytest.mark.parametrize("N,K", [(1, 2), (17, 30), (128, 64), (200, 640), (1536, 640), (640, 2048)])
 def test_kernel_computes_x_times_w_transposed_plus_bias(N, K):
     """Against fp32 matmul of the same bf16 values, to bf16 rounding: N not a multiple of the
-    128-row group (padding rows must not leak into the output) and K not a multiple of 32."""
+    64-row group (padding rows must not leak into the output) and K not a multiple of 32."""
     w, b = _rand(N, K, seed=0, scale=0.05), torch.randn(N, generator=torch.Generator().manual_seed(1))
     packed = pack_bf16(w)
     for M in (1, 3, 70):
@@ -57,7 +57,7 @@ def test_a_rows_bits_do_not_depend_on_the_call():
 @needs_kernel
 def test_prepacked_weights_use_it_and_refuse_other_inputs():
     pw = PrepackedWeight(_rand(96, 64, seed=4))
-    assert pw.native is not None and pw.packed.shape == (1, 32, 128, 2)
+    assert pw.native is not None and pw.packed.shape == (2, 32, 64, 2)
     with pytest.raises(TypeError, match="multiplies bf16 inputs, not torch.float32"):
         pw.mm(torch.zeros(1, 64))
     assert PrepackedWeight(_rand(96, 63, seed=5)).native is None  # odd K: the kernel reads column pairs

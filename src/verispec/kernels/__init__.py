@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("bf16_gemm.c")
-GROUP_ROWS = 128  # weight rows per packed group (BLOCKS * 16 in bf16_gemm.c)
+GROUP_ROWS = 64  # weight rows per packed group (GROUP in bf16_gemm.c)
 
 _LOADED: dict[str, object] = {}
 _WHY_NOT: list[str] = []
@@ -96,7 +96,7 @@ def _compile_and_open():
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (K even) in the kernel's layout [ceil(N/128), K/2, 128, 2], zero rows
+    """A bf16 weight [N, K] (K even) in the kernel's layout [ceil(N/64), K/2, 64, 2], zero rows
     padding N up to a whole group."""
     N, K = weight.shape
     groups = -(-N // GROUP_ROWS)

@@ -5,8 +5,8 @@
  * on the 2-core AVX512-BF16 EPYC, and a lone row rounds differently from the same row among others
  * once K > 1024, which invariant mode has to pad around.
  *
- * Layout: W [N, K] is stored as groups of 128 rows, [ceil(N / 128), K / 2, 128, 2]: for one pair
- * of input columns (k, k + 1), the 128 rows' two weights lie next to each other, so one 64-byte
+ * Layout: W [N, K] is stored as groups of 64 rows, [ceil(N / 64), K / 2, 64, 2]: for one pair
+ * of input columns (k, k + 1), the 64 rows' two weights lie next to each other, so one 64-byte
  * load holds 16 rows' pairs and `vdpbf16ps` adds x[k] w[n, k] + x[k + 1] w[n, k + 1] into 16
  * fp32 lanes, one per output row. A group's weights are one contiguous stream.
  *
@@ -19,18 +19,19 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCKS 8              /* 16-row blocks per group */
+#define BLOCKS 4              /* 16-row blocks per group */
 #define GROUP (16 * BLOCKS)   /* weight rows per group */
+#define TILE 4                /* input rows per pass over a group (16 accumulators) */
 
-/* MT (1 or 2) input rows from m0 against one group of 128 weight rows starting at n0. */
+/* MT (1 to TILE) input rows from m0 against one group of GROUP weight rows starting at n0. */
 static inline __attribute__((always_inline)) void group_rows(
         const uint16_t *x, const uint16_t *wg, const float *bias, uint16_t *y,
         int m0, const int MT, int n0, int N, int K) {
-    __m512 acc[2][BLOCKS];
+    __m512 acc[TILE][BLOCKS];
     for (int i = 0; i < MT; i++)
         for (int t = 0; t < BLOCKS; t++) acc[i][t] = _mm512_setzero_ps();
     for (int j = 0; j < K / 2; j++) {
-        __m512i xj[2];
+        __m512i xj[TILE];
         for (int i = 0; i < MT; i++) {  /* x[m, 2j], x[m, 2j + 1] broadcast to every lane */
             int32_t pair;
             memcpy(&pair, x + (size_t)(m0 + i) * K + 2 * j, sizeof pair);
@@ -62,7 +63,11 @@ void verispec_bf16_gemm(const uint16_t *x, const uint16_t *wp, const float *bias
     for (int g = 0; g < groups; g++) {
         const uint16_t *wg = wp + (size_t)g * (K / 2) * GROUP * 2;
         int m0 = 0;
-        for (; m0 + 2 <= M; m0 += 2) group_rows(x, wg, bias, y, m0, 2, g * GROUP, N, K);
-        if (m0 < M) group_rows(x, wg, bias, y, m0, 1, g * GROUP, N, K);
+        for (; m0 + TILE <= M; m0 += TILE) group_rows(x, wg, bias, y, m0, TILE, g * GROUP, N, K);
+        switch (M - m0) {  /* constant tile heights, so each is unrolled */
+            case 3: group_rows(x, wg, bias, y, m0, 3, g * GROUP, N, K); break;
+            case 2: group_rows(x, wg, bias, y, m0, 2, g * GROUP, N, K); break;
+            case 1: group_rows(x, wg, bias, y, m0, 1, g * GROUP, N, K); break;
+        }
     }
 }

@@ -6,9 +6,9 @@ the weights. With a plain row-major bf16 weight it is not: on the 2-core AVX512-
 `weight @ x.T` for the few rows of a verify window, where summing the same bytes takes 10 ms.
 
 Two kernels run a `PrepackedWeight`:
-- verispec's own (kernels/bf16_gemm.c), where it builds (AVX512-BF16 and a C compiler): 128-row
-  groups interleaved by column pairs, one AVX512-BF16 dot-product lane per output, 24-31 GB/s at
-  1-2 rows against 12-20 for oneDNN in the same run; each row is computed alone, so its bits do
+- verispec's own (kernels/bf16_gemm.c), where it builds (AVX512-BF16 and a C compiler): 64-row
+  groups interleaved by column pairs, one AVX512-BF16 dot-product lane per output, 27-43 GB/s at
+  1-4 rows against 12-20 for oneDNN on the same machine; each row is computed alone, so its bits do
   not depend on the rest of the call (batch invariance by construction);
 - otherwise oneDNN's blocked layout (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`).
   For inputs wider than 1,024 it computes a lone row differently from two or more, while every
