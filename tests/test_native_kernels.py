@@ -82,3 +82,58 @@ def test_unavailable_kernel_says_why_and_prepacking_falls_back(monkeypatch, tmp_
         pw = PrepackedWeight(w)
         assert pw.native is None
         torch.testing.assert_close(pw.mm(x, invariant=True).float(), x.float() @ w.float().t(), rtol=1e-2, atol=1e-2)
+
+
+needs_norm = pytest.mark.skipif(kernels.rms_norm() is None, reason=f"native kernels unavailable: {kernels.why_not()}")
+
+
+def _torch_norm(x, w, eps, gemma):
+    import torch.nn.functional as F
+
+    if gemma:
+        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + w.float(), eps).type_as(x)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).type_as(x)
+
+
+@needs_norm
+@pytest.mark.parametrize("gemma", [True, False])
+def test_native_rms_norm_is_torchs_up_to_the_sum_order(gemma):
+    """Dense rows, a strided head split of a fused projection (read in place, as attention's q/k
+    norms do), sizes that are not a multiple of 16, and the fused residual add: within one bf16
+    rounding of torch's norm (only the fp32 sum of squares is ordered differently), and nearly
+    always the same bits."""
+    from verispec.models.layers import RMSNorm
+
+    qkv = _rand(3, 5, 6 * 40, seed=8)
+    cases = [_rand(2, 7, 640, seed=9), qkv[..., : 4 * 40].reshape(3, 5, 4, 40), qkv[..., 4 * 40 : 5 * 40].reshape(3, 5, 1, 40),
+             _rand(1, 1, 24, seed=10)]
+    for x in cases:
+        norm = RMSNorm(x.shape[-1], 1e-6, gemma).bfloat16()
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(x.shape[-1]) * 0.3)
+            got = norm(x)
+            res = _rand(*x.shape, seed=11)
+            got_res = norm(x, residual=res)
+        want = _torch_norm(x, norm.weight, 1e-6, gemma)
+        assert got.is_contiguous() and got.shape == x.shape
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-5)
+        torch.testing.assert_close(got_res, res + want, rtol=8e-3, atol=1e-2)
+        assert (got == want).float().mean() > 0.99
+
+
+@needs_norm
+def test_norm_follows_its_weight_and_trains_through_torch():
+    """The cached fp32 scale is rebuilt when the weight changes; with gradients on, the norm is
+    torch's (so the weight gets a gradient)."""
+    from verispec.models.layers import RMSNorm
+
+    norm = RMSNorm(64, 1e-6, gemma=True).bfloat16()
+    x = _rand(2, 64, seed=12)
+    with torch.no_grad():
+        before = norm(x)
+        norm.weight.add_(1.0)
+        after = norm(x)
+    torch.testing.assert_close(after, _torch_norm(x, norm.weight.detach(), 1e-6, True), rtol=8e-3, atol=1e-5)
+    assert not torch.equal(before, after)
+    norm(x).float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0

@@ -1,13 +1,15 @@
 """Native CPU kernels: C sources compiled once per machine with the system compiler, loaded by ctypes.
 
-The one kernel so far is `bf16_gemm.c`, the decode-sized bf16 matmul behind prepacked weights
-(models/prepack.py). It is compiled with `-march=native` on first use into the verispec cache
-(`$VERISPEC_CACHE/kernels`, the file named by a hash of the source, the compiler and the CPU's
-flags) in well under a second, and reused after that. It links the OpenMP runtime by its soname,
+- `bf16_gemm.c`: the decode-sized bf16 matmul behind prepacked weights (models/prepack.py);
+- `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference).
+The sources are compiled together with `-march=native` on first use into the verispec cache
+(`$VERISPEC_CACHE/kernels`, the file named by a hash of the sources, the compiler and the CPU's
+flags) in about a second, and reused after that. It links the OpenMP runtime by its soname,
 `libgomp.so.1`, which is the one torch has loaded already, so both share one thread pool.
 
-Where it cannot be had (no AVX512-BF16, no C compiler, not Linux x86-64, or VERISPEC_NATIVE=0 to
-compare against the library kernels), `bf16_gemm()` is None and callers use oneDNN.
+Where they cannot be had (no AVX512-BF16, no C compiler, not Linux x86-64, or VERISPEC_NATIVE=0 to
+compare against the library kernels), `bf16_gemm()` and `rms_norm()` are None and callers use
+torch's operators (oneDNN for prepacked matmuls).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("bf16_gemm.c")
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 GROUP_ROWS = 64  # weight rows per packed group (GROUP in bf16_gemm.c)
 
 _LOADED: dict[str, object] = {}
@@ -32,10 +34,28 @@ _WHY_NOT: list[str] = []
 
 
 def bf16_gemm():
-    """The compiled `verispec_bf16_gemm` function, or None (see `why_not`)."""
-    if "bf16_gemm" not in _LOADED:
-        _LOADED["bf16_gemm"] = _load()
-    return _LOADED["bf16_gemm"]
+    """The compiled `verispec_bf16_gemm` (bf16_gemm.c), or None (see `why_not`)."""
+    return _function("verispec_bf16_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
+
+
+def rms_norm():
+    """The compiled `verispec_rms_norm_bf16` (rms_norm.c), or None (see `why_not`)."""
+    return _function("verispec_rms_norm_bf16", [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_long,
+                                                                        ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                                                                        ctypes.c_int])
+
+
+def _function(name: str, argtypes: list):
+    if name not in _LOADED:
+        if "library" not in _LOADED:
+            _LOADED["library"] = _load()
+        lib = _LOADED["library"]
+        fn = None
+        if lib is not None:
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = None, argtypes
+        _LOADED[name] = fn
+    return _LOADED[name]
 
 
 def why_not() -> str | None:
@@ -57,7 +77,7 @@ def _load():
         try:
             return _compile_and_open()
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            reason = f"could not build {SOURCE.name}: {e}"
+            reason = f"could not build {', '.join(p.name for p in SOURCES)}: {e}"
     _WHY_NOT[:] = [reason]
     return None
 
@@ -78,21 +98,18 @@ def _compile_and_open():
         raise RuntimeError("no C compiler (cc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, flags]).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"{SOURCE.stem}-{key}.so"
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, flags]).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"verispec-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             part = Path(tmp) / out.name
-            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(part)]
+            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *map(str, SOURCES), "-o", str(part), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(done.stderr.strip()[-500:] or f"{cc} exited with {done.returncode}")
             os.replace(part, out)  # atomic: another process never opens half a library
-    fn = ctypes.CDLL(str(out)).verispec_bf16_gemm
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    return fn
+    return ctypes.CDLL(str(out))
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -112,4 +129,20 @@ def run_bf16_gemm(fn, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     y = torch.empty(M, N, dtype=torch.bfloat16)
     fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
        M, N, K, torch.get_num_threads())
+    return y
+
+
+def run_rms_norm(fn, x: torch.Tensor, scale: torch.Tensor, eps: float, gemma: bool,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim of bf16 x [..., D] -> dense bf16 [..., D] (rms_norm.c), plus
+    `residual` (dense, same shape) when given; scale: fp32 [D], (1 + w) for Gemma, w otherwise.
+    x may be a strided view whose last two dims are dense (a head split of a fused projection):
+    it is read as groups of dense rows, without a copy."""
+    D = x.shape[-1]
+    v = x.reshape(-1, x.shape[-2] if x.dim() > 1 else 1, D)  # [groups, per, D], a view where it can be
+    if v.stride(2) != 1 or (v.shape[1] > 1 and v.stride(1) != D):
+        v = v.contiguous()
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    fn(v.data_ptr(), scale.data_ptr(), None if residual is None else residual.data_ptr(), y.data_ptr(),
+       v.shape[0], v.shape[1], v.stride(0), D, eps, int(gemma), torch.get_num_threads())
     return y

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .config import ModelConfig
 from .prepack import PrepackedWeight
 from .quant import PackedWeight
@@ -120,20 +121,39 @@ def fuse_rows(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 class RMSNorm(nn.Module):
     """RMSNorm in fp32. Gemma scales by (1 + w) before casting back; Llama/Qwen cast, then scale by w.
 
-    `F.rms_norm` is one fused op where x * rsqrt(mean(x^2) + eps) written out is five; a decode step
-    runs 109 norms on Gemma 3 270M (4 per layer, q/k norms, the final one), so the small ops add up
-    (47 against 77 us per norm at batch 1 on the dev machine)."""
+    A decode step runs 109 norms on Gemma 3 270M (4 per layer, q/k norms, the final one), each on
+    a row or a few, so dispatch is what they cost: `F.rms_norm` on CPU is itself a chain of about
+    ten small operators. At inference on bf16 CPU tensors the norm is one call to rms_norm.c
+    (verispec/kernels) where it builds, with the same roundings; training takes `F.rms_norm`.
+    `residual`: return residual + norm(x) (one call on the native path)."""
 
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()
         self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self._scale: tuple | None = None  # (weight version, pointer, fp32 scale) for the native kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
+            fn = kernels.rms_norm()
+            if fn is not None:
+                return kernels.run_rms_norm(fn, x, self.fp32_scale(), self.eps, self.gemma,
+                                            None if residual is None else residual.contiguous())
         shape = (x.shape[-1],)
         if self.gemma:
-            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).type_as(x)
-        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).type_as(x)
+            y = F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).type_as(x)
+        else:
+            y = self.weight * F.rms_norm(x.float(), shape, None, self.eps).type_as(x)
+        return y if residual is None else residual + y
+
+    def fp32_scale(self) -> torch.Tensor:
+        """(1 + w) for Gemma, w otherwise, in fp32: computed once per weight value."""
+        w = self.weight
+        key = (w._version, w.data_ptr())
+        if self._scale is None or self._scale[:2] != key:
+            scale = (1.0 + w.detach().float()) if self.gemma else w.detach().float()
+            self._scale = (*key, scale.contiguous())
+        return self._scale[2]
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,17 +262,18 @@ class Attention(nn.Module):
             q, k, v = linear(x, *self.qkv, self.invariant).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = (linear(x, m.weight, m.bias, self.invariant) for m in (self.q_proj, self.k_proj, self.v_proj))
-        q = q.reshape(B, T, c.num_heads, c.head_dim).transpose(1, 2)  # [B, h, T, hd]
-        k = k.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, hd]
-        v = v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        if c.qk_norm:
+        q = q.reshape(B, T, c.num_heads, c.head_dim)  # [B, T, h, hd]
+        k = k.reshape(B, T, c.num_kv_heads, c.head_dim)  # [B, T, kvh, hd]
+        if c.qk_norm:  # per head: on the split views, before the transpose (the native norm reads them in place)
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, hd], [B, kvh, T, hd]
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         # contiguous q: the CPU flash kernel rounds a strided q differently from a dense one, which
         # would make a token's bits depend on the verify window width (T = 1 is always dense)
         q, k = rotate(q, cos, sin).contiguous(), rotate(k, cos, sin)
         K, V, mask = kv(k, v)
-        # a no-op except under autocast training, where the rotated q/k are fp32 and v is bf16
-        K, V = K.to(q.dtype), V.to(q.dtype)
+        if K.dtype != q.dtype or V.dtype != q.dtype:  # autocast training: rotated q/k fp32, v bf16
+            K, V = K.to(q.dtype), V.to(q.dtype)
         route = getattr(kv, "route", None)  # token trees: queries regrouped into path views (models/paths.py)
         if route is not None:
             q = route.gather_queries(q)
@@ -306,8 +327,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KV) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(x), cos, sin, kv)
         if self.gemma:
-            x = x + self.post_attention_layernorm(a)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = self.post_attention_layernorm(a, residual=x)
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), residual=x)
         return self.residual_mlp(x + a)
 
     def residual_mlp(self, x: torch.Tensor) -> torch.Tensor:
