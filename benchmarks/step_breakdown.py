@@ -119,12 +119,12 @@ def main() -> int:
         # "dense": bf16 in the row-major layout; "onednn": prepacked for oneDNN (models/prepack.py)
         native = kernels.bf16_gemm()
         if q == "onednn":
-            kernels._LOADED["bf16_gemm"] = None
+            kernels._LOADED["verispec_bf16_gemm"] = None  # what kernels.bf16_gemm() returns
         try:
             model = load_model(args.model, DTYPES[args.dtype], **({"prepack": False} if q == "dense" else
                                                                    {} if q in ("none", "onednn") else {"quant": q}))
         finally:
-            kernels._LOADED["bf16_gemm"] = native
+            kernels._LOADED["verispec_bf16_gemm"] = native
         rows[q] = breakdown(model, tok, args.prompt, args.tokens)
         rows[q]["kernel"] = ("verispec" if model.packed_head.native is not None else "oneDNN") if model.prepacked else None
         print(f"[breakdown] {q}: {rows[q]}", file=sys.stderr, flush=True)

@@ -4,6 +4,8 @@ cannot be built the reason is given and prepacked weights fall back to oneDNN.""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -19,10 +21,11 @@ def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("N,K", [(1, 2), (17, 30), (128, 64), (200, 640), (1536, 640), (640, 2048)])
+@pytest.mark.parametrize("N,K", [(1, 2), (17, 30), (9, 63), (128, 64), (200, 640), (1536, 640), (640, 2048)])
 def test_kernel_computes_x_times_w_transposed_plus_bias(N, K):
     """Against fp32 matmul of the same bf16 values, to bf16 rounding: N not a multiple of the
-    64-row group (padding rows must not leak into the output) and K not a multiple of 32."""
+    64-row group (padding rows must not leak into the output), K not a multiple of 32, and an odd
+    K (the weight and the input padded with a zero column)."""
     w, b = _rand(N, K, seed=0, scale=0.05), torch.randn(N, generator=torch.Generator().manual_seed(1))
     packed = pack_bf16(w)
     for M in (1, 3, 70):
@@ -54,13 +57,53 @@ def test_a_rows_bits_do_not_depend_on_the_call():
         torch.set_num_threads(threads)
 
 
+def _variants():
+    """This CPU's library, and the narrower instruction sets it can also run (built with -mno-...)."""
+    if bf16_gemm() is None:
+        return []
+    found = {}
+    for flags in ((), ("-mno-avx512bf16",), ("-mno-avx512f",)):
+        lib = kernels._compile_and_open(flags)
+        lib.verispec_kernel_isa.restype = ctypes.c_char_p
+        found.setdefault(lib.verispec_kernel_isa().decode(), lib)
+    return list(found.items())
+
+
+@needs_kernel
+def test_every_instruction_set_computes_the_same_product_invariantly():
+    """AVX512-BF16, AVX512 and AVX2 builds (those this CPU runs): each against fp32 to bf16
+    rounding, for shapes that leave partial groups and tiles, and each row's bits the same alone,
+    among others and on one thread or two."""
+    variants = _variants()
+    assert kernels.isa() == variants[0][0]
+    threads = torch.get_num_threads()
+    for isa, lib in variants:
+        fn = lib.verispec_bf16_gemm
+        fn.restype, fn.argtypes = None, [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        for N, K in ((200, 640), (9, 30), (640, 2048)):
+            w, b = _rand(N, K, seed=N, scale=0.05), torch.randn(N, generator=torch.Generator().manual_seed(K))
+            packed = pack_bf16(w)
+            X = _rand(11, K, seed=K)
+            want = X.float() @ w.float().t() + b
+            alone = torch.cat([run_bf16_gemm(fn, X[i : i + 1], packed, b, N) for i in range(len(X))])
+            torch.testing.assert_close(alone.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item(), msg=isa)
+            try:
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    for M in (2, 3, 4, 5, 8, 11):
+                        assert torch.equal(run_bf16_gemm(fn, X[:M].contiguous(), packed, b, N), alone[:M]), (isa, N, K, t, M)
+            finally:
+                torch.set_num_threads(threads)
+
+
 @needs_kernel
 def test_prepacked_weights_use_it_and_refuse_other_inputs():
     pw = PrepackedWeight(_rand(96, 64, seed=4))
     assert pw.native is not None and pw.packed.shape == (2, 32, 64, 2)
     with pytest.raises(TypeError, match="multiplies bf16 inputs, not torch.float32"):
         pw.mm(torch.zeros(1, 64))
-    assert PrepackedWeight(_rand(96, 63, seed=5)).native is None  # odd K: the kernel reads column pairs
+    odd = PrepackedWeight(_rand(96, 63, seed=5))  # odd K: padded with a zero column, as the input is
+    assert odd.native is not None and odd.packed.shape == (2, 32, 64, 2)
 
 
 def test_unavailable_kernel_says_why_and_prepacking_falls_back(monkeypatch, tmp_path):

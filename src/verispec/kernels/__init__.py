@@ -1,15 +1,16 @@
 """Native CPU kernels: C sources compiled once per machine with the system compiler, loaded by ctypes.
 
-- `bf16_gemm.c`: the decode-sized bf16 matmul behind prepacked weights (models/prepack.py);
+- `bf16_gemm.c`: the decode-sized bf16 matmul behind prepacked weights (models/prepack.py), in
+  AVX512-BF16, AVX512 or AVX2 + FMA instructions, whichever `-march=native` offers (`isa()`);
 - `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference).
 The sources are compiled together with `-march=native` on first use into the verispec cache
 (`$VERISPEC_CACHE/kernels`, the file named by a hash of the sources, the compiler and the CPU's
 flags) in about a second, and reused after that. It links the OpenMP runtime by its soname,
 `libgomp.so.1`, which is the one torch has loaded already, so both share one thread pool.
 
-Where they cannot be had (no AVX512-BF16, no C compiler, not Linux x86-64, or VERISPEC_NATIVE=0 to
-compare against the library kernels), `bf16_gemm()` and `rms_norm()` are None and callers use
-torch's operators (oneDNN for prepacked matmuls).
+Where they cannot be had (no AVX2 and FMA, no C compiler, not Linux x86-64, or VERISPEC_NATIVE=0
+to compare against the library kernels), `bf16_gemm()` and `rms_norm()` are None and callers use
+torch's operators (oneDNN for prepacked matmuls where the CPU has bf16 arithmetic).
 """
 
 from __future__ import annotations
@@ -58,21 +59,29 @@ def _function(name: str, argtypes: list):
     return _LOADED[name]
 
 
+def isa() -> str | None:
+    """The instruction set the kernels were built for: "avx512-bf16", "avx512" or "avx2" (None
+    when unavailable). Bits of a matmul differ between them, never between calls on one."""
+    fn = _function("verispec_kernel_isa", [])
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
 def why_not() -> str | None:
     """Why `bf16_gemm()` is None, in words; None when it is available (or not tried yet)."""
     return _WHY_NOT[0] if _WHY_NOT else None
 
 
 def _load():
-    from ..preflight import cpu_has_bf16_arithmetic
-
     reason = None
     if os.environ.get("VERISPEC_NATIVE", "1") == "0":
         reason = "VERISPEC_NATIVE=0"
     elif sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         reason = f"native kernels are built for Linux x86-64, not {sys.platform} {platform.machine()}"
-    elif not _cpu_flag("avx512_bf16"):
-        reason = "the CPU has no AVX512-BF16" + (" (AMX alone is not used)" if cpu_has_bf16_arithmetic() else "")
+    elif not (_cpu_flag("avx2") and _cpu_flag("fma")):
+        reason = "the CPU has no AVX2 and FMA"
     if reason is None:
         try:
             return _compile_and_open()
@@ -90,7 +99,9 @@ def _cpu_flag(flag: str) -> bool:
     return any(ln.startswith("flags") and flag in ln.split() for ln in text.splitlines())
 
 
-def _compile_and_open():
+def _compile_and_open(extra_flags: tuple[str, ...] = ()):
+    """The library built for this CPU (`-march=native`, then `extra_flags`: the tests build the
+    narrower instruction sets with e.g. -mno-avx512f), compiled on first use."""
     from ..models.loading import cache_root
 
     cc = shutil.which(os.environ.get("CC", "cc"))
@@ -98,13 +109,14 @@ def _compile_and_open():
         raise RuntimeError("no C compiler (cc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, flags, *extra_flags]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"verispec-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             part = Path(tmp) / out.name
-            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *map(str, SOURCES), "-o", str(part), "-lm"]
+            cmd = [cc, "-O3", "-march=native", *extra_flags, "-fopenmp", "-shared", "-fPIC", *map(str, SOURCES),
+                   "-o", str(part), "-lm"]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(done.stderr.strip()[-500:] or f"{cc} exited with {done.returncode}")
@@ -113,19 +125,19 @@ def _compile_and_open():
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (K even) in the kernel's layout [ceil(N/64), K/2, 64, 2], zero rows
-    padding N up to a whole group."""
+    """A bf16 weight [N, K] in the kernel's layout [ceil(N/64), ceil(K/2), 64, 2], zero rows padding
+    N up to a whole group and a zero column padding an odd K (the kernel reads column pairs)."""
     N, K = weight.shape
     groups = -(-N // GROUP_ROWS)
-    w = weight.detach().contiguous()
-    if groups * GROUP_ROWS != N:
-        w = torch.cat([w, w.new_zeros(groups * GROUP_ROWS - N, K)])
-    return w.view(groups, GROUP_ROWS, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    w = torch.nn.functional.pad(weight.detach(), (0, K % 2, 0, groups * GROUP_ROWS - N))
+    return w.view(groups, GROUP_ROWS, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def run_bf16_gemm(fn, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, N: int) -> torch.Tensor:
     """x [M, K] bf16 contiguous @ the packed weight -> [M, N] bf16; bias fp32 [N] or None."""
     M, K = x.shape
+    if K % 2:  # the zero column the weight was padded with, times zero: the sums are unchanged
+        x, K = torch.nn.functional.pad(x, (0, 1)), K + 1
     y = torch.empty(M, N, dtype=torch.bfloat16)
     fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
        M, N, K, torch.get_num_threads())

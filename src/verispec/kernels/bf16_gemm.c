@@ -1,26 +1,38 @@
-/* y = x @ W.T (+ b) in bf16 for decode-sized x, on CPUs with AVX512-BF16 (verispec/kernels).
+/* y = x @ W.T (+ b) in bf16 for decode-sized x, on x86-64 CPUs with AVX2 or better (verispec/kernels).
  *
  * Why a kernel of our own: a decode step multiplies a handful of rows by every weight once, so it
  * should run at the speed of reading the weights. oneDNN's bf16 kernels reach about half of that
  * on the 2-core AVX512-BF16 EPYC, and a lone row rounds differently from the same row among others
- * once K > 1024, which invariant mode has to pad around.
+ * once K > 1024, which invariant mode has to pad around. Where the CPU has no bf16 arithmetic,
+ * torch's bf16 matmuls are slower still (2+ rows cost several times one row).
  *
  * Layout: W [N, K] is stored as groups of 64 rows, [ceil(N / 64), K / 2, 64, 2]: for one pair
- * of input columns (k, k + 1), the 64 rows' two weights lie next to each other, so one 64-byte
- * load holds 16 rows' pairs and `vdpbf16ps` adds x[k] w[n, k] + x[k + 1] w[n, k + 1] into 16
- * fp32 lanes, one per output row. A group's weights are one contiguous stream.
+ * of input columns (k, k + 1), the 64 rows' two weights lie next to each other, so one vector
+ * load holds 16 (8 for AVX2) rows' pairs. A group's weights are one contiguous stream.
  *
- * Numerics: output (m, n) is one fp32 lane that adds the K / 2 pair products in order of k, plus
- * the bias, and is rounded to bf16 (nearest even). Nothing about that depends on M, on which
- * rows share a tile, or on the thread count, so a row's result is the same bits in any call:
- * batch invariance by construction, not by measurement.
+ * One source, three instruction sets, chosen when compiled with -march=native:
+ * - AVX512-BF16: `vdpbf16ps` adds x[k] w[n, k] + x[k + 1] w[n, k + 1] into 16 fp32 lanes, one
+ *   per output row;
+ * - AVX512 (BW) and AVX2 + FMA: a bf16 is the top half of an fp32, so the pair's two weights are
+ *   one shift and one mask away from two fp32 vectors, and two fused multiply-adds take the
+ *   pair (x is widened to fp32 once per call).
+ *
+ * Numerics: output (m, n) is one fp32 lane that adds the pair products in order of k, plus the
+ * bias, and is rounded to bf16 (nearest even). Nothing about that depends on M, on which rows
+ * share a tile, or on the thread count, so a row's result is the same bits in any call: batch
+ * invariance by construction, not by measurement. (The instruction sets round the products
+ * differently, so bits differ between CPUs, never between calls on one.)
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#define GROUP 64  /* weight rows per packed group */
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ISA "avx512-bf16"
 #define BLOCKS 4              /* 16-row blocks per group */
-#define GROUP (16 * BLOCKS)   /* weight rows per group */
 #define TILE 4                /* input rows per pass over a group (16 accumulators) */
 
 /* MT (1 to TILE) input rows from m0 against one group of GROUP weight rows starting at n0. */
@@ -71,3 +83,125 @@ void verispec_bf16_gemm(const uint16_t *x, const uint16_t *wp, const float *bias
         }
     }
 }
+
+#else  /* fp32 fused multiply-adds on widened bf16 */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ISA "avx512"
+#define LANES 16
+#define PASS_BLOCKS 4  /* LANES-row blocks of a group per pass: the whole group */
+#define TILE 4         /* input rows per pass (16 accumulators of 32 registers) */
+typedef __m512 vf;
+typedef __m512i vi;
+#define LOAD_W(p) _mm512_loadu_si512((const void *)(p))
+#define LOW_HALF(w) _mm512_castsi512_ps(_mm512_slli_epi32(w, 16))
+#define HIGH_HALF(w) _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)))
+#define FMADD _mm512_fmadd_ps
+#define SPLAT _mm512_set1_ps
+#define ZERO _mm512_setzero_ps
+
+/* n live lanes of fp32 s (+ bias), rounded to bf16 (nearest even, NaN to 0x7fc0), stored at out. */
+static inline void store_bf16(uint16_t *out, vf s, const float *bias, int live_n) {
+    __mmask16 live = live_n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << live_n) - 1);
+    if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(live, bias));
+    __m512i u = _mm512_castps_si512(s);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_mask_storeu_epi16((void *)out, live, _mm512_cvtepi32_epi16(r));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA "avx2"
+#define LANES 8
+#define PASS_BLOCKS 4  /* half a group per pass: 16 registers hold 8 accumulators + operands */
+#define TILE 2
+typedef __m256 vf;
+typedef __m256i vi;
+#define LOAD_W(p) _mm256_loadu_si256((const __m256i *)(p))
+#define LOW_HALF(w) _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))
+#define HIGH_HALF(w) _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)))
+#define FMADD _mm256_fmadd_ps
+#define SPLAT _mm256_set1_ps
+#define ZERO _mm256_setzero_ps
+
+static inline void store_bf16(uint16_t *out, vf s, const float *bias, int live_n) {
+    float v[8];
+    _mm256_storeu_ps(v, s);
+    for (int l = 0; l < live_n && l < 8; l++) {
+        float f = bias ? v[l] + bias[l] : v[l];
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        out[l] = f != f ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+#else
+#error "verispec kernels need AVX2 and FMA"
+#endif
+
+#define BLOCKS (GROUP / LANES)
+#define PASS_BYTES (PASS_BLOCKS * LANES * 4)  /* weight bytes a pass reads per column pair */
+#define PREFETCH_AHEAD 4096  /* bytes: the LM head's stream went from 16-17 to 20-21 GB/s (Xeon, 2 cores) */
+
+/* MT (1 to TILE) rows of xf (fp32) from m0 against blocks b0 .. b0 + PASS_BLOCKS of one group. */
+static inline __attribute__((always_inline)) void group_rows(
+        const float *xf, const uint16_t *wg, const float *bias, uint16_t *y,
+        int m0, const int MT, int n0, int b0, int N, int K) {
+    vf acc[TILE][PASS_BLOCKS];
+    for (int i = 0; i < MT; i++)
+        for (int t = 0; t < PASS_BLOCKS; t++) acc[i][t] = ZERO();
+    for (int j = 0; j < K / 2; j++) {
+        const uint16_t *wj = wg + ((size_t)j * GROUP + (size_t)b0 * LANES) * 2;
+        for (int b = 0; b < PASS_BYTES; b += 64)
+            _mm_prefetch((const char *)wj + PREFETCH_AHEAD + b, _MM_HINT_T0);
+        for (int t = 0; t < PASS_BLOCKS; t++) {
+            vi w = LOAD_W(wj + t * LANES * 2);
+            vf even = LOW_HALF(w), odd = HIGH_HALF(w);  /* w[n, 2j], w[n, 2j + 1] for LANES rows n */
+            for (int i = 0; i < MT; i++) {
+                const float *xr = xf + (size_t)(m0 + i) * K + 2 * j;
+                acc[i][t] = FMADD(odd, SPLAT(xr[1]), FMADD(even, SPLAT(xr[0]), acc[i][t]));
+            }
+        }
+    }
+    for (int i = 0; i < MT; i++)
+        for (int t = 0; t < PASS_BLOCKS; t++) {
+            int n = n0 + (b0 + t) * LANES;
+            if (n >= N) break;
+            store_bf16(y + (size_t)(m0 + i) * N + n, acc[i][t], bias ? bias + n : NULL, N - n);
+        }
+}
+
+void verispec_bf16_gemm(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
+                        int M, int N, int K, int threads) {
+    float *xf = (float *)malloc((size_t)M * K * sizeof(float));
+    if (!xf) abort();
+    for (size_t e = 0; e < (size_t)M * K; e++) {  /* bf16 -> fp32 is exact: the top 16 bits */
+        uint32_t u = (uint32_t)x[e] << 16;
+        memcpy(xf + e, &u, sizeof u);
+    }
+    int groups = (N + GROUP - 1) / GROUP;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < groups; g++) {
+        const uint16_t *wg = wp + (size_t)g * (K / 2) * GROUP * 2;
+        for (int b0 = 0; b0 < BLOCKS; b0 += PASS_BLOCKS) {
+            if (g * GROUP + b0 * LANES >= N) break;
+            int m0 = 0;
+            for (; m0 + TILE <= M; m0 += TILE) group_rows(xf, wg, bias, y, m0, TILE, g * GROUP, b0, N, K);
+            switch (M - m0) {  /* constant tile heights, so each is unrolled */
+#if TILE > 3
+                case 3: group_rows(xf, wg, bias, y, m0, 3, g * GROUP, b0, N, K); break;
+#endif
+#if TILE > 2
+                case 2: group_rows(xf, wg, bias, y, m0, 2, g * GROUP, b0, N, K); break;
+#endif
+                case 1: group_rows(xf, wg, bias, y, m0, 1, g * GROUP, b0, N, K); break;
+            }
+        }
+    }
+    free(xf);
+}
+#endif
+
+/* Which of the three the library was built for ("avx512-bf16", "avx512" or "avx2"). */
+const char *verispec_kernel_isa(void) { return ISA; }

@@ -10,18 +10,30 @@
  *   llama (scale = w, a bf16 value): y = bf16(bf16(x * r) * scale)   (torch's order of roundings)
  * and with a residual, out = bf16(residual + y). A row's result depends on that row alone.
  *
+ * Plain C, vectorized by the compiler for whatever the CPU has: the same bits on any of them (the
+ * 16 partial sums are those of 16 vector lanes, added as _mm512_reduce_add_ps adds them).
+ *
  * Rows: `groups` groups of `per` rows of D contiguous values; group g starts at x + g * stride
  * (a head-split view of a fused projection's output is such a tensor). Output is dense.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+#define LANES 16
+
+static inline float from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-static inline __mmask16 lanes(int left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
+static inline uint16_t to_bf16(float f) {  /* nearest even, NaN to 0x7fc0: torch's rounding */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return f != f ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 void verispec_rms_norm_bf16(const uint16_t *x, const float *scale, const uint16_t *residual, uint16_t *y,
                             int groups, int per, long stride, int D, float eps, int gemma, int threads) {
@@ -29,29 +41,20 @@ void verispec_rms_norm_bf16(const uint16_t *x, const float *scale, const uint16_
     #pragma omp parallel for schedule(static) num_threads(threads) if (rows * D >= (1 << 16))
     for (long r = 0; r < rows; r++) {
         const uint16_t *xr = x + (r / per) * stride + (r % per) * (long)D;
-        __m512 acc = _mm512_setzero_ps();
-        for (int k = 0; k < D; k += 16) {
-            __m512 v = load_bf16(xr + k, lanes(D - k));
-            acc = _mm512_fmadd_ps(v, v, acc);
-        }
-        float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)D + eps);
-        __m512 vinv = _mm512_set1_ps(inv);
-        for (int k = 0; k < D; k += 16) {
-            __mmask16 m = lanes(D - k);
-            __m512 v = _mm512_mul_ps(load_bf16(xr + k, m), vinv);
-            __m512 s = _mm512_maskz_loadu_ps(m, scale + k);
-            if (gemma) {
-                v = _mm512_mul_ps(v, s);
-            } else {  /* round x * r to bf16 first, as torch's .type_as does before the weight */
-                __m256bh t = _mm512_cvtneps_pbh(v);
-                v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)t), 16)), s);
-            }
-            __m256bh out = _mm512_cvtneps_pbh(v);
-            if (residual) {
-                __m512 o = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)out), 16));
-                out = _mm512_cvtneps_pbh(_mm512_add_ps(load_bf16(residual + r * (long)D + k, m), o));
-            }
-            _mm256_mask_storeu_epi16((void *)(y + r * (long)D + k), m, (__m256i)out);
+        uint16_t *yr = y + r * (long)D;
+        float acc[LANES] = {0};
+        int k = 0;
+        for (; k + LANES <= D; k += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] = fmaf(from_bf16(xr[k + l]), from_bf16(xr[k + l]), acc[l]);
+        for (int l = 0; k + l < D; l++) acc[l] = fmaf(from_bf16(xr[k + l]), from_bf16(xr[k + l]), acc[l]);
+        for (int half = LANES / 2; half > 0; half /= 2)
+            for (int l = 0; l < half; l++) acc[l] += acc[l + half];
+        float inv = 1.0f / sqrtf(acc[0] / (float)D + eps);
+        for (int e = 0; e < D; e++) {
+            float v = from_bf16(xr[e]) * inv;
+            /* llama rounds x * r to bf16 first, as torch's .type_as does before the weight */
+            uint16_t out = to_bf16(gemma ? v * scale[e] : from_bf16(to_bf16(v)) * scale[e]);
+            yr[e] = residual ? to_bf16(from_bf16(residual[r * (long)D + e]) + from_bf16(out)) : out;
         }
     }
 }

@@ -28,15 +28,18 @@ _ROWS_INVARIANT: list[bool] = []
 
 
 def can_prepack(dtype: torch.dtype, device) -> bool:
-    """bf16 on a CPU that multiplies bf16 in hardware (elsewhere the blocked kernels are not
-    measured), and where a probe finds the invariant path's rows independent of the row count
-    (`rows_invariant_here`): a CPU whose oneDNN picks its kernels otherwise (AMX tiles, another
-    version) keeps the row-major path rather than risk speculative output differing from plain."""
+    """bf16 on a CPU where verispec's kernel builds (AVX2 and up), or else one that multiplies bf16
+    in hardware for oneDNN (elsewhere its blocked kernels are not measured); and where a probe finds
+    the invariant path's rows independent of the row count (`rows_invariant_here`): a CPU whose
+    oneDNN picks its kernels otherwise (AMX tiles, another version) keeps the row-major path rather
+    than risk speculative output differing from plain."""
+    from ..kernels import bf16_gemm
     from .layers import bf16_native
 
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16_native()
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            and rows_invariant_here())
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    onednn = bf16_native() and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (bf16_gemm() is not None or onednn) and rows_invariant_here()
 
 
 def rows_invariant_here() -> bool:
@@ -69,7 +72,7 @@ class PrepackedWeight:
                              f"on {weight.device}")
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
         self.nbytes = weight.numel() * weight.element_size()
-        self.native = bf16_gemm() if weight.shape[1] % 2 == 0 else None
+        self.native = bf16_gemm()
         if self.native is not None:
             self.packed = pack_bf16(weight)
             self.bias = None if bias is None else bias.detach().float().contiguous()
