@@ -40,9 +40,11 @@ from verispec.threads import setup_threads
 
 NATIVE_OP = "verispec::bf16_gemm"  # a ctypes call the profiler cannot see: labelled while profiling
 MATMUL_OPS = {"aten::mm", "aten::mv", "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
-              "aten::_weight_int4pack_mm_for_cpu", "aten::linear", "aten::bmm",
+              "aten::_weight_int4pack_mm_for_cpu", "aten::linear",
               "mkldnn::_linear_pointwise", NATIVE_OP, NATIVE_OP + " (LM head)"}
-ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention"}
+ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
+                 "aten::bmm"}  # models/layers.py: attention is two batched GEMMs (q K^T, then @ V)
+NORM_OP = "verispec::rms_norm"  # likewise a ctypes call
 
 
 def read_bandwidth(mb: int = 512, repeats: int = 5) -> float:
@@ -79,12 +81,18 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
         with torch.profiler.record_function(NATIVE_OP + (" (LM head)" if N == head_n else "")):
             return native(fn, x, packed, bias, N)
 
-    kernels.run_bf16_gemm = labelled
+    norm = kernels.run_rms_norm
+
+    def labelled_norm(*a, **kw):
+        with torch.profiler.record_function(NORM_OP):
+            return norm(*a, **kw)
+
+    kernels.run_bf16_gemm, kernels.run_rms_norm = labelled, labelled_norm
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             _, _, steps = decode(model, tok, prompt, tokens)
     finally:
-        kernels.run_bf16_gemm = native
+        kernels.run_bf16_gemm, kernels.run_rms_norm = native, norm
     groups = defaultdict(float)
     for ev in prof.key_averages(group_by_input_shape=True):
         us = ev.self_cpu_time_total
@@ -93,6 +101,8 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
             groups["LM head" if str(head_n) in shapes or "LM head" in ev.key else "projections"] += us
         elif ev.key in ATTENTION_OPS:
             groups["attention"] += us
+        elif ev.key == NORM_OP:
+            groups["norms"] += us
         else:
             groups["everything else"] += us
     # the prefill step ran before the profiler; every profiled step is a one-token decode step
@@ -133,7 +143,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "breakdown.json").write_text(json.dumps({"config": vars(args) | {"threads": threads},
                                                     "read_bandwidth_gb_s": bw, "rows": rows}, indent=2))
-    cats = ["projections", "LM head", "attention", "everything else"]
+    cats = ["projections", "LM head", "attention", "norms", "everything else"]
     md = [f"# One plain decode step of {args.model} at batch 1 ({threads} threads)", "",
           f"`python benchmarks/step_breakdown.py --quant {args.quant} --tokens {args.tokens} --out {args.out}`; "
           f"read bandwidth {bw:.1f} GB/s (summing a 512 MiB fp32 tensor).", "",

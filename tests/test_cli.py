@@ -12,6 +12,7 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 
 from conftest import build_hf
+from verispec import kernels
 from verispec.cli import main
 
 VOCAB = 160  # conftest's tiny models
@@ -154,7 +155,12 @@ def test_quant_option_everywhere_and_checked(tmp_path, monkeypatch):
     assert preflight.cpu_has_bf16_arithmetic(str(info)) is True
     assert preflight.cpu_has_bf16_arithmetic(str(tmp_path / "missing")) is None
     monkeypatch.setattr(preflight, "cpu_has_bf16_arithmetic", lambda: False)
-    assert "--quant int8" in preflight.precision_hint("bfloat16", "none", "cpu")
+    monkeypatch.setattr(kernels, "bf16_gemm", lambda: object())  # verispec's kernel makes bf16 fast anyway
+    assert preflight.precision_hint("bfloat16", "none", "cpu") is None
+    monkeypatch.setattr(kernels, "bf16_gemm", lambda: None)
+    monkeypatch.setattr(kernels, "why_not", lambda: "no C compiler (cc) on PATH")
+    hint = preflight.precision_hint("bfloat16", "none", "cpu")
+    assert "--quant int8" in hint and "no C compiler" in hint
     assert preflight.precision_hint("bfloat16", "int8", "cpu") is None
     assert preflight.precision_hint("float32", "none", "cpu") is None
     assert preflight.precision_hint("bfloat16", "none", "cuda") is None

@@ -69,15 +69,21 @@ def cpu_has_bf16_arithmetic(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 
 
 def precision_hint(dtype: str, quant: str, device: str) -> str | None:
-    """A note for bf16 weights on a CPU without bf16 arithmetic: there a bf16 GEMM of two or more
-    rows costs 4-6x a one-row GEMV, and batch-invariant decoding pays it every step (README,
-    "Exactness in bf16"); int8 weights run 3-4x faster at batch 1 and change perplexity by <1%."""
+    """A note for bf16 weights on a CPU with neither bf16 arithmetic nor verispec's own kernel (which
+    needs AVX2, FMA and a C compiler: kernels.why_not): there a bf16 GEMM of two or more rows costs
+    4-6x a one-row GEMV, and batch-invariant decoding pays it every step (README, "Exactness in
+    bf16"); int8 weights run 3-4x faster at batch 1 and change perplexity by <1%."""
     if quant != "none" or not device.startswith("cpu") or dtype not in ("bfloat16", "bf16"):
         return None
     if cpu_has_bf16_arithmetic() is not False:
         return None
-    return ("verispec: note: this CPU has no bf16 arithmetic (no AVX512-BF16 or AMX), which makes bf16 decoding "
-            "slow here; --quant int8 is about 4x faster (perplexity +0.5-0.8%, README \"Quantized targets\")")
+    from .kernels import bf16_gemm, why_not
+
+    if bf16_gemm() is not None:
+        return None
+    return (f"verispec: note: this CPU has no bf16 arithmetic (no AVX512-BF16 or AMX) and verispec's kernel is "
+            f"unavailable ({why_not()}), which makes bf16 decoding slow here; --quant int8 is about 4x faster "
+            f"(perplexity +0.5-0.8%, README \"Quantized targets\")")
 
 
 def train_precision_hint(bf16: bool, device: str) -> str | None:

@@ -147,9 +147,11 @@ class RMSNorm(nn.Module):
         return y if residual is None else residual + y
 
     def fp32_scale(self) -> torch.Tensor:
-        """(1 + w) for Gemma, w otherwise, in fp32: computed once per weight value."""
+        """(1 + w) for Gemma, w otherwise, in fp32: computed once per weight value. (A weight made
+        under inference mode has no version counter; it can change in place only inside inference
+        mode, which loading is, so such a weight is known by its storage alone.)"""
         w = self.weight
-        key = (w._version, w.data_ptr())
+        key = (None if w.is_inference() else w._version, w.data_ptr())
         if self._scale is None or self._scale[:2] != key:
             scale = (1.0 + w.detach().float()) if self.gemma else w.detach().float()
             self._scale = (*key, scale.contiguous())
