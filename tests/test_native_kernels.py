@@ -194,3 +194,48 @@ def test_norm_made_under_inference_mode_runs():
         norm.weight.mul_(0.5)
         got = norm(x)
     torch.testing.assert_close(got, _torch_norm(x, norm.weight, 1e-6, False), rtol=8e-3, atol=1e-5)
+
+
+needs_attention = pytest.mark.skipif(kernels.attention() is None, reason=f"native kernels unavailable: {kernels.why_not()}")
+
+
+@needs_attention
+@pytest.mark.parametrize("heads,softcap", [((4, 1), None), ((2, 2), None), ((4, 2), 50.0)])
+def test_native_attention_is_the_matmul_attention_with_each_row_alone(heads, softcap):
+    """attention.c against the two-matmul path it replaces (`grouped_attention` with gradients on,
+    which keeps torch's ops): within a bf16 rounding. Then a query row's bits alone = among 1-40
+    queries, beside other sequences, over 1,024 keys or 1,536 (the cache's bucket after a verify
+    window), with NaN in the cache past the mask, on one thread or two; a row with no visible key is
+    zeros."""
+    from verispec.models.layers import grouped_attention
+
+    h, kvh = heads
+    g = torch.Generator().manual_seed(14)
+    B, T, Lk, hd = 3, 40, 1536, 64
+    K = torch.randn(B, kvh, Lk, hd, generator=g).bfloat16()
+    V = torch.randn(B, kvh, Lk, hd, generator=g).bfloat16()
+    q = (torch.randn(B, h, T, hd, generator=g) / 2).bfloat16()
+    visible = (torch.arange(Lk)[None, :] <= (900 + torch.arange(T))[:, None])[None, None].expand(B, 1, T, Lk)
+    fn = kernels.attention()
+    got = kernels.run_attention(fn, q, K, V, visible, 0.125, softcap)
+    with torch.enable_grad():
+        ref = grouped_attention(q.requires_grad_(), K, V, visible, 0.125, softcap).detach()
+    q = q.detach()
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    Kn, Vn = K.clone(), V.clone()
+    Kn[:, :, 1024:], Vn[:, :, 1024:] = float("nan"), float("nan")  # never visible below: must not be read
+    alone = torch.cat([kernels.run_attention(fn, q[:1, :, i : i + 1], K[:1, :, :1024], V[:1, :, :1024],
+                                             visible[:1, :, i : i + 1, :1024], 0.125, softcap) for i in range(T)], 2)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for n in (1, 2, 5, 6, 17, 40):
+                many = kernels.run_attention(fn, q[:, :, :n], Kn, Vn, visible[:, :, :n], 0.125, softcap)
+                assert torch.equal(many[:1], alone[:, :, :n]), (t, n)
+    finally:
+        torch.set_num_threads(threads)
+    strided = torch.cat([K, K], -1)[..., :hd]  # a view whose rows are not dense in the cache's sense
+    assert torch.equal(kernels.run_attention(fn, q, strided, V, visible, 0.125, softcap), got)
+    none = torch.zeros(B, 1, T, Lk, dtype=torch.bool)
+    assert torch.equal(kernels.run_attention(fn, q, K, V, none, 0.125, softcap), torch.zeros_like(q))

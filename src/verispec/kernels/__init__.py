@@ -2,7 +2,9 @@
 
 - `bf16_gemm.c`: the decode-sized bf16 matmul behind prepacked weights (models/prepack.py), in
   AVX512-BF16, AVX512 or AVX2 + FMA instructions, whichever `-march=native` offers (`isa()`);
-- `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference).
+- `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference);
+- `attention.c`: bf16 attention with each query row on its own (models/layers.py
+  `grouped_attention`, at inference): batch-invariant by construction on any CPU.
 The sources are compiled together with `-march=native` on first use into the verispec cache
 (`$VERISPEC_CACHE/kernels`, the file named by a hash of the sources, the compiler and the CPU's
 flags) in about a second, and reused after that. It links the OpenMP runtime by its soname,
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 GROUP_ROWS = 64  # weight rows per packed group (GROUP in bf16_gemm.c)
 
 _LOADED: dict[str, object] = {}
@@ -44,6 +47,12 @@ def rms_norm():
     return _function("verispec_rms_norm_bf16", [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int, ctypes.c_long,
                                                                         ctypes.c_int, ctypes.c_float, ctypes.c_int,
                                                                         ctypes.c_int])
+
+
+def attention():
+    """The compiled `verispec_attention_bf16` (attention.c), or None (see `why_not`)."""
+    return _function("verispec_attention_bf16", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long] * 8
+                     + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
 
 
 def _function(name: str, argtypes: list):
@@ -109,7 +118,7 @@ def _compile_and_open(extra_flags: tuple[str, ...] = ()):
         raise RuntimeError("no C compiler (cc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), version, flags, *extra_flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES + HEADERS), version, flags, *extra_flags]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"verispec-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -158,3 +167,23 @@ def run_rms_norm(fn, x: torch.Tensor, scale: torch.Tensor, eps: float, gemma: bo
     fn(v.data_ptr(), scale.data_ptr(), None if residual is None else residual.data_ptr(), y.data_ptr(),
        v.shape[0], v.shape[1], v.stride(0), D, eps, int(gemma), torch.get_num_threads())
     return y
+
+
+def run_attention(fn, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, scale: float,
+                  softcap: float | None) -> torch.Tensor:
+    """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd], all bf16 but the
+    mask (attention.c). K and V are read through their strides (the cache's views), as long as each
+    key's hd values are dense; the mask may be broadcast over the batch or the queries."""
+    B, h, T, hd = q.shape
+    kvh, Lk = K.shape[1], K.shape[2]
+    q = q.contiguous()
+    K, V = (t if t.stride(-1) == 1 else t.contiguous() for t in (K, V))
+    m = mask.expand(B, 1, T, Lk)[:, 0]
+    if m.stride(-1) != 1:
+        m = m.contiguous()
+    m = m.view(torch.uint8)
+    out = torch.empty(B, h, T, hd, dtype=torch.bfloat16)
+    fn(q.data_ptr(), K.data_ptr(), V.data_ptr(), m.data_ptr(), out.data_ptr(), B, h, kvh, T, Lk, hd,
+       K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2), m.stride(0), m.stride(1),
+       scale, softcap or 0.0, torch.get_num_threads())
+    return out

@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define GROUP 64  /* weight rows per packed group */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -128,12 +130,7 @@ typedef __m256i vi;
 static inline void store_bf16(uint16_t *out, vf s, const float *bias, int live_n) {
     float v[8];
     _mm256_storeu_ps(v, s);
-    for (int l = 0; l < live_n && l < 8; l++) {
-        float f = bias ? v[l] + bias[l] : v[l];
-        uint32_t u;
-        memcpy(&u, &f, sizeof u);
-        out[l] = f != f ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (int l = 0; l < live_n && l < 8; l++) out[l] = to_bf16(bias ? v[l] + bias[l] : v[l]);
 }
 
 #else

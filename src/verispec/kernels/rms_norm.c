@@ -18,22 +18,10 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define LANES 16
-
-static inline float from_bf16(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {  /* nearest even, NaN to 0x7fc0: torch's rounding */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return f != f ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 void verispec_rms_norm_bf16(const uint16_t *x, const float *scale, const uint16_t *residual, uint16_t *y,
                             int groups, int per, long stride, int D, float eps, int gemma, int threads) {
@@ -47,9 +35,7 @@ void verispec_rms_norm_bf16(const uint16_t *x, const float *scale, const uint16_
         for (; k + LANES <= D; k += LANES)
             for (int l = 0; l < LANES; l++) acc[l] = fmaf(from_bf16(xr[k + l]), from_bf16(xr[k + l]), acc[l]);
         for (int l = 0; k + l < D; l++) acc[l] = fmaf(from_bf16(xr[k + l]), from_bf16(xr[k + l]), acc[l]);
-        for (int half = LANES / 2; half > 0; half /= 2)
-            for (int l = 0; l < half; l++) acc[l] += acc[l + half];
-        float inv = 1.0f / sqrtf(acc[0] / (float)D + eps);
+        float inv = 1.0f / sqrtf(sum16(acc) / (float)D + eps);
         for (int e = 0; e < D; e++) {
             float v = from_bf16(xr[e]) * inv;
             /* llama rounds x * r to bf16 first, as torch's .type_as does before the weight */

@@ -183,7 +183,18 @@ def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None)
     queries in the call. These matmuls
     give a row the same bits for any query count, batch and key padding (tests/test_exact_numerics.py),
     so invariant mode needs no splitting; a lone query row (T = 1 without GQA) is padded to two, to
-    stay on the GEMM kernel rather than a GEMV."""
+    stay on the GEMM kernel rather than a GEMV.
+
+    At inference on bf16 tensors it is verispec's attention.c instead, where the kernels build: on
+    CPUs without bf16 arithmetic the batched matmuls above are not row-invariant (on an Ice Lake
+    Xeon a row rounds differently among 16 rows than among 2, and over 1,536 keys than over 1,024
+    with the extra weights zero), while the kernel computes each query row alone from its unmasked
+    keys, with the same roundings as the matmuls."""
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or K.requires_grad or V.requires_grad)
+    if q.dtype == torch.bfloat16 and K.dtype == V.dtype == q.dtype and not needs_grad:
+        fn = kernels.attention()
+        if fn is not None:
+            return kernels.run_attention(fn, q, K, V, mask, scale, softcap)
     B, h, T, hd = q.shape
     kvh = K.shape[1]
     g = h // kvh
