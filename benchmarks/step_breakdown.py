@@ -43,8 +43,9 @@ MATMUL_OPS = {"aten::mm", "aten::mv", "aten::addmm", "aten::matmul", "aten::_wei
               "aten::_weight_int4pack_mm_for_cpu", "aten::linear",
               "mkldnn::_linear_pointwise", NATIVE_OP, NATIVE_OP + " (LM head)"}
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention",
-                 "aten::bmm"}  # models/layers.py: attention is two batched GEMMs (q K^T, then @ V)
-NORM_OP = "verispec::rms_norm"  # likewise a ctypes call
+                 "aten::bmm",  # models/layers.py: attention as two batched GEMMs (q K^T, then @ V)
+                 "verispec::attention"}  # or as kernels/attention.c: a ctypes call, labelled
+NORM_OP = "verispec::rms_norm"  # likewise
 
 
 def read_bandwidth(mb: int = 512, repeats: int = 5) -> float:
@@ -87,12 +88,18 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
         with torch.profiler.record_function(NORM_OP):
             return norm(*a, **kw)
 
-    kernels.run_bf16_gemm, kernels.run_rms_norm = labelled, labelled_norm
+    attention = kernels.run_attention
+
+    def labelled_attention(*a, **kw):
+        with torch.profiler.record_function("verispec::attention"):
+            return attention(*a, **kw)
+
+    kernels.run_bf16_gemm, kernels.run_rms_norm, kernels.run_attention = labelled, labelled_norm, labelled_attention
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             _, _, steps = decode(model, tok, prompt, tokens)
     finally:
-        kernels.run_bf16_gemm, kernels.run_rms_norm = native, norm
+        kernels.run_bf16_gemm, kernels.run_rms_norm, kernels.run_attention = native, norm, attention
     groups = defaultdict(float)
     for ev in prof.key_averages(group_by_input_shape=True):
         us = ev.self_cpu_time_total
