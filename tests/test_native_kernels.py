@@ -239,3 +239,21 @@ def test_native_attention_is_the_matmul_attention_with_each_row_alone(heads, sof
     assert torch.equal(kernels.run_attention(fn, q, strided, V, visible, 0.125, softcap), got)
     none = torch.zeros(B, 1, T, Lk, dtype=torch.bool)
     assert torch.equal(kernels.run_attention(fn, q, K, V, none, 0.125, softcap), torch.zeros_like(q))
+
+
+@needs_attention
+def test_native_attention_has_the_same_bits_on_every_instruction_set():
+    """The AVX512 and AVX2 builds keep the same 16 partial sums and add them in the same tree, so
+    they agree bit for bit (a head size that is not a multiple of 16 takes the plain-C loop)."""
+    g = torch.Generator().manual_seed(15)
+    for hd in (64, 40):
+        q = torch.randn(2, 4, 5, hd, generator=g).bfloat16()
+        K, V = (torch.randn(2, 2, 300, hd, generator=g).bfloat16() for _ in range(2))
+        visible = (torch.arange(300)[None, :] <= (250 + torch.arange(5))[:, None])[None, None].expand(2, 1, 5, 300)
+        outs = {}
+        for isa, lib in _variants():
+            fn = lib.verispec_attention_bf16
+            fn.restype, fn.argtypes = None, kernels.attention().argtypes
+            outs[isa] = kernels.run_attention(fn, q, K, V, visible, 0.2, None)
+        first = next(iter(outs.values()))
+        assert all(torch.equal(o, first) for o in outs.values()), (hd, list(outs))

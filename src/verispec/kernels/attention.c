@@ -13,14 +13,15 @@
  *   s_l = tanh(s_l / cap) * cap      when soft-capped
  *   w_l = bf16(exp(s_l - max) / sum) (fp32 softmax over the unmasked keys only)
  *   o   = bf16(sum_l w_l V_l)         (fp32, keys in order)
- * Masked keys are never read, so padding (and whatever the cache holds there) cannot change a row.
- * A row with no unmasked key gets zeros. Plain C, vectorized by the compiler: the same bits on
- * every instruction set.
+ * A key masked for a row is never used for it, so padding (and whatever the cache holds there)
+ * cannot change the row. A row with no unmasked key gets zeros. AVX512, AVX2 or plain C, with the
+ * same bits on each.
  *
  * Shapes: q [B, h, T, hd] dense; K, V [B, kvh, Lk, hd] with the given strides (elements; a row's hd
  * values dense); mask [B, T, Lk] bytes with strides (mb, mt) and dense keys; out [B, h, T, hd]
  * dense. The h / kvh query heads of KV head j are j * g ... j * g + g - 1.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,19 +29,81 @@
 #include "bf16.h"
 
 #define LANES 16
-#define TILE 4  /* query rows sharing each key's pass (the key and value rows stay in L1) */
+#define TILE 4  /* query rows sharing each key's pass (each key and value row is loaded once for them) */
 
-static inline float dot(const float *q, const uint16_t *k, int hd) {
-    float acc[LANES] = {0};
-    int d = 0;
-    for (; d + LANES <= hd; d += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = fmaf(q[d + l], from_bf16(k[d + l]), acc[l]);
-    for (int l = 0; d + l < hd; l++) acc[l] = fmaf(q[d + l], from_bf16(k[d + l]), acc[l]);
-    return sum16(acc);
+/* Both instruction sets keep 16 fp32 partial sums (lane l adds dims d = l mod 16 in order) and add
+ * them in the same tree as sum16, so the bits are the same on either and in the plain C below. */
+#if defined(__AVX512F__)
+typedef __m512 acc16;
+static inline acc16 acc_zero(void) { return _mm512_setzero_ps(); }
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline acc16 acc_fma(acc16 a, const float *q, const uint16_t *k) {
+    return _mm512_fmadd_ps(_mm512_loadu_ps(q), widen16(k), a);
+}
+static inline float acc_sum(acc16 a) { return _mm512_reduce_add_ps(a); }
+static inline void axpy16(float *o, float w, const uint16_t *v) {
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(w), widen16(v), _mm512_loadu_ps(o)));
+}
+#define VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef struct { __m256 lo, hi; } acc16;
+static inline acc16 acc_zero(void) { acc16 a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a; }
+static inline __m256 widen8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline acc16 acc_fma(acc16 a, const float *q, const uint16_t *k) {
+    a.lo = _mm256_fmadd_ps(_mm256_loadu_ps(q), widen8(k), a.lo);
+    a.hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), widen8(k + 8), a.hi);
+    return a;
+}
+static inline float acc_sum(acc16 a) {
+    float t[16];
+    _mm256_storeu_ps(t, a.lo);
+    _mm256_storeu_ps(t + 8, a.hi);
+    return sum16(t);
+}
+static inline void axpy16(float *o, float w, const uint16_t *v) {
+    __m256 ws = _mm256_set1_ps(w);
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(ws, widen8(v), _mm256_loadu_ps(o)));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(ws, widen8(v + 8), _mm256_loadu_ps(o + 8)));
+}
+#define VECTOR 1
+#endif
+
+/* q_r . k for R rows of qf (fp32, hd each) against one key row k. */
+static inline void dots(const float *qf, int R, const uint16_t *k, int hd, float *out) {
+#ifdef VECTOR
+    if (hd % LANES == 0) {
+        acc16 acc[TILE];
+        for (int r = 0; r < R; r++) acc[r] = acc_zero();
+        for (int d = 0; d < hd; d += LANES)
+            for (int r = 0; r < R; r++) acc[r] = acc_fma(acc[r], qf + r * hd + d, k + d);
+        for (int r = 0; r < R; r++) out[r] = acc_sum(acc[r]);
+        return;
+    }
+#endif
+    for (int r = 0; r < R; r++) {
+        float acc[LANES] = {0};
+        for (int d = 0; d < hd; d++) acc[d % LANES] = fmaf(qf[r * hd + d], from_bf16(k[d]), acc[d % LANES]);
+        out[r] = sum16(acc);
+    }
 }
 
-static inline void axpy(float *o, float w, const uint16_t *v, int hd) {
-    for (int d = 0; d < hd; d++) o[d] = fmaf(w, from_bf16(v[d]), o[d]);
+/* o_r += w_r v for the R rows whose key is visible (w_r of the others is not a number to use). */
+static inline void axpys(float *o, const float *w, const uint8_t *live, int R, const uint16_t *v, int hd) {
+#ifdef VECTOR
+    if (hd % LANES == 0) {
+        for (int d = 0; d < hd; d += LANES)
+            for (int r = 0; r < R; r++)
+                if (live[r]) axpy16(o + r * hd + d, w[r], v + d);
+        return;
+    }
+#endif
+    for (int r = 0; r < R; r++)
+        if (live[r])
+            for (int d = 0; d < hd; d++) o[r * hd + d] = fmaf(w[r], from_bf16(v[d]), o[r * hd + d]);
 }
 
 void verispec_attention_bf16(const uint16_t *q, const uint16_t *K, const uint16_t *V, const uint8_t *mask,
@@ -69,12 +132,18 @@ void verispec_attention_bf16(const uint16_t *q, const uint16_t *K, const uint16_
             m[r] = mask + b * mb + t * mt;
             for (int d = 0; d < hd; d++) qf[r * hd + d] = from_bf16(qr[r][d]), o[r * hd + d] = 0.0f;
         }
-        for (int l = 0; l < Lk; l++)
+        for (int l = 0; l < Lk; l++) {  /* scores of the rows that see key l */
+            uint8_t live[TILE], any = 0;
+            for (int r = 0; r < R; r++) any |= live[r] = m[r][l];
+            if (!any) continue;
+            float x[TILE];
+            dots(qf, R, Kj + l * kl, hd, x);
             for (int r = 0; r < R; r++)
-                if (m[r][l]) {
-                    float x = from_bf16(to_bf16(dot(qf + r * hd, Kj + l * kl, hd))) * scale;
-                    s[r * Lk + l] = softcap > 0.0f ? tanhf(x / softcap) * softcap : x;
+                if (live[r]) {
+                    float v = from_bf16(to_bf16(x[r])) * scale;
+                    s[r * Lk + l] = softcap > 0.0f ? tanhf(v / softcap) * softcap : v;
                 }
+        }
         for (int r = 0; r < R; r++) {
             float mx = -INFINITY, sum = 0.0f;
             for (int l = 0; l < Lk; l++)
@@ -84,9 +153,12 @@ void verispec_attention_bf16(const uint16_t *q, const uint16_t *K, const uint16_
             for (int l = 0; l < Lk; l++)
                 if (m[r][l]) s[r * Lk + l] = from_bf16(to_bf16(s[r * Lk + l] / sum));
         }
-        for (int l = 0; l < Lk; l++)
-            for (int r = 0; r < R; r++)
-                if (m[r][l]) axpy(o + r * hd, s[r * Lk + l], Vj + l * vl, hd);
+        for (int l = 0; l < Lk; l++) {  /* weighted values, keys in order */
+            uint8_t live[TILE], any = 0;
+            float w[TILE];
+            for (int r = 0; r < R; r++) any |= live[r] = m[r][l], w[r] = live[r] ? s[r * Lk + l] : 0.0f;
+            if (any) axpys(o, w, live, R, Vj + l * vl, hd);
+        }
         for (int r = 0; r < R; r++)
             for (int d = 0; d < hd; d++) outr[r][d] = to_bf16(o[r * hd + d]);
         free(buf);
