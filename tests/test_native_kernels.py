@@ -257,3 +257,27 @@ def test_native_attention_has_the_same_bits_on_every_instruction_set():
             outs[isa] = kernels.run_attention(fn, q, K, V, visible, 0.2, None)
         first = next(iter(outs.values()))
         assert all(torch.equal(o, first) for o in outs.values()), (hd, list(outs))
+
+
+needs_rope = pytest.mark.skipif(kernels.rope() is None, reason=f"native kernels unavailable: {kernels.why_not()}")
+
+
+@needs_rope
+def test_native_rope_is_torchs_rotate_bit_for_bit():
+    """rope.c against `rotate` on the transposed head split, then made dense (what attention did
+    before): the same bits, for a strided split of a fused projection, tables broadcast over the
+    batch, and a head size whose halves are not a multiple of 16."""
+    from verispec.models.layers import rope_heads, rotate, rope_cos_sin
+
+    g = torch.Generator().manual_seed(16)
+    for B, T, H, hd in ((1, 1, 4, 256), (3, 7, 2, 40), (2, 5, 1, 64)):
+        fused = torch.randn(B, T, (H + 2) * hd, generator=g).bfloat16()
+        x = fused[..., : H * hd].reshape(B, T, H, hd)  # a strided view, as Attention's q / k
+        cos, sin = (t.bfloat16() for t in rope_cos_sin(1.0 / 10000 ** (torch.arange(0, hd, 2) / hd),
+                                                       torch.arange(100, 100 + T)[None].expand(B, T)))
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        want = rotate(x.transpose(1, 2), cos, sin).contiguous()
+        got = rope_heads(x, cos, sin)
+        assert got.is_contiguous() and torch.equal(got, want), (B, T, H, hd)
+        one = cos[:1].expand(B, 1, T, hd), sin[:1].expand(B, 1, T, hd)
+        assert torch.equal(rope_heads(x, *one), rotate(x.transpose(1, 2), *one).contiguous())

@@ -3,6 +3,7 @@
 - `bf16_gemm.c`: the decode-sized bf16 matmul behind prepacked weights (models/prepack.py), in
   AVX512-BF16, AVX512 or AVX2 + FMA instructions, whichever `-march=native` offers (`isa()`);
 - `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference);
+- `rope.c`: rotary embedding of bf16 q / k heads in one call, written as [B, heads, T, hd];
 - `attention.c`: bf16 attention with each query row on its own (models/layers.py
   `grouped_attention`, at inference): batch-invariant by construction on any CPU.
 The sources are compiled together with `-march=native` on first use into the verispec cache
@@ -53,6 +54,12 @@ def attention():
     """The compiled `verispec_attention_bf16` (attention.c), or None (see `why_not`)."""
     return _function("verispec_attention_bf16", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long] * 8
                      + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
+
+
+def rope():
+    """The compiled `verispec_rope_bf16` (rope.c), or None (see `why_not`)."""
+    return _function("verispec_rope_bf16", [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
+                     + [ctypes.c_long] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 4)
 
 
 def _function(name: str, argtypes: list):
@@ -186,4 +193,19 @@ def run_attention(fn, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: t
     fn(q.data_ptr(), K.data_ptr(), V.data_ptr(), m.data_ptr(), out.data_ptr(), B, h, kvh, T, Lk, hd,
        K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2), m.stride(0), m.stride(1),
        scale, softcap or 0.0, torch.get_num_threads())
+    return out
+
+
+def run_rope(fn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, hd] bf16 (a head split of a projection: any strides, heads dense), cos/sin
+    [B, 1, T, hd] bf16 -> rotated, dense [B, H, T, hd] (rope.c)."""
+    B, T, H, hd = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    c, s = cos[:, 0], sin[:, 0]  # [B, T, hd]
+    if c.stride(-1) != 1 or s.stride() != c.stride():
+        c, s = c.contiguous(), s.contiguous()
+    out = torch.empty(B, H, T, hd, dtype=torch.bfloat16)
+    fn(x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), c.data_ptr(), s.data_ptr(), c.stride(0), c.stride(1),
+       out.data_ptr(), B, T, H, hd)
     return out

@@ -171,6 +171,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, hd] -> rotated, dense [B, heads, T, hd]; cos/sin [B, 1, T, hd]. At inference
+    on bf16 CPU tensors one call to kernels/rope.c (torch's roundings, `rotate`'s seven operators
+    and the copy in one), else `rotate`. Dense because the CPU flash kernel rounds a strided q
+    differently from a dense one, which would make a token's bits depend on the verify window width."""
+    if (x.dtype == cos.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and x.requires_grad)):
+        fn = kernels.rope()
+        if fn is not None:
+            return kernels.run_rope(fn, x, cos, sin)
+    return rotate(x.transpose(1, 2), cos, sin).contiguous()
+
+
 def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
     """Attention as two batched matmuls, the query heads of a KV group stacked as rows:
     q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd]; scores and
@@ -279,11 +292,8 @@ class Attention(nn.Module):
         k = k.reshape(B, T, c.num_kv_heads, c.head_dim)  # [B, T, kvh, hd]
         if c.qk_norm:  # per head: on the split views, before the transpose (the native norm reads them in place)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, h, T, hd], [B, kvh, T, hd]
+        q, k = rope_heads(q, cos, sin), rope_heads(k, cos, sin)  # [B, h, T, hd] dense, [B, kvh, T, hd]
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        # contiguous q: the CPU flash kernel rounds a strided q differently from a dense one, which
-        # would make a token's bits depend on the verify window width (T = 1 is always dense)
-        q, k = rotate(q, cos, sin).contiguous(), rotate(k, cos, sin)
         K, V, mask = kv(k, v)
         if K.dtype != q.dtype or V.dtype != q.dtype:  # autocast training: rotated q/k fp32, v bf16
             K, V = K.to(q.dtype), V.to(q.dtype)
