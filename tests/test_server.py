@@ -20,7 +20,12 @@ CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
 def start_server(*extra) -> ServerProcess:
-    return ServerProcess("--max-batch-size", "8", "--max-model-len", "512", *extra).wait_ready()
+    """A server with every requested draft token verified (`--draft-policy fixed`): the adaptive
+    default decides from a cost profile measured on the machine, so whether a request drafts at all
+    would depend on how busy the machine was when that profile was taken (a full-suite run once got
+    0 drafts from `num_draft_tokens: 3`); the adaptive policy has its own tests (test_adaptive.py)."""
+    return ServerProcess("--max-batch-size", "8", "--max-model-len", "512", "--draft-policy", "fixed",
+                         *extra).wait_ready()
 
 
 @pytest.fixture(scope="module")
