@@ -85,7 +85,8 @@ def _setup_logging() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging()
-    prefer_passive_waits()  # before any command imports torch
+    if getattr(args, "passive_waits", True):  # `bench` keeps OpenMP's default (bench/cli.py)
+        prefer_passive_waits()  # before any command imports torch
     try:
         return args.run(args) or 0
     except UserError as e:
