@@ -63,7 +63,12 @@ def _variants():
         return []
     found = {}
     for flags in ((), ("-mno-avx512bf16",), ("-mno-avx512f",)):
-        lib = kernels._compile_and_open(flags)
+        try:
+            lib = kernels._compile_and_open(flags)
+        except RuntimeError:  # a compiler that does not know the flag: that variant is not checked
+            if not flags:
+                raise
+            continue
         lib.verispec_kernel_isa.restype = ctypes.c_char_p
         found.setdefault(lib.verispec_kernel_isa().decode(), lib)
     return list(found.items())
