@@ -244,6 +244,13 @@ def test_native_attention_is_the_matmul_attention_with_each_row_alone(heads, sof
     assert torch.equal(kernels.run_attention(fn, q, strided, V, visible, 0.125, softcap), got)
     none = torch.zeros(B, 1, T, Lk, dtype=torch.bool)
     assert torch.equal(kernels.run_attention(fn, q, K, V, none, 0.125, softcap), torch.zeros_like(q))
+    # read in place at cache slots (a decode batch whose slots are not consecutive) = gathered first
+    cache_k = torch.cat([torch.full_like(K[:1], float("nan")), K.flip(0)])  # slot 0 unused, batch b at slot B - b
+    cache_v = torch.cat([torch.full_like(V[:1], float("nan")), V.flip(0)])
+    slots = torch.arange(B, 0, -1)
+    assert torch.equal(kernels.run_attention(fn, q, cache_k, cache_v, visible, 0.125, softcap, slots), got)
+    with pytest.raises(ValueError, match="must index"):
+        kernels.run_attention(fn, q, cache_k, cache_v, visible, 0.125, softcap, slots + 1)
 
 
 @needs_attention

@@ -358,3 +358,36 @@ def test_inverse_cdf_sample_never_draws_a_zero_probability_token():
     assert set(draws) == {5, 70000, 262143}
     freq = torch.tensor([draws.count(t) for t in (5, 70000, 262143)]) / 3000
     assert (freq - torch.tensor([0.2, 0.3, 0.5])).abs().max() < 0.04
+
+
+# --------------------------------------------------------------------------------------------
+# the greedy shortcuts (argmax rows, no one-hot) against the general rule on one-hot rows
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_shortcuts_give_the_verdicts_of_the_general_rule(seed):
+    """verify() on a greedy request (argmax of each row) = the general chain / tree rule on the
+    one-hot rows `probs` makes, for drafts that match the argmax for a while, with no q, a one-hot q
+    or an arbitrary q, on chains and on trees with siblings (ties in the logits included)."""
+    from verispec.verify import TREE
+
+    g = gen(seed)
+    vocab, k = 6, 5
+    logits = torch.randn(k + 1, vocab, generator=g).round(decimals=0)  # coarse values: ties happen
+    best = logits.argmax(-1).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    p = probs(logits, greedy)
+    agree = int(torch.randint(0, k + 1, (), generator=g))
+    chain = [best[i] if i < agree else int(torch.randint(0, vocab, (), generator=g)) for i in range(k)]
+    for q in (None, one_hot(chain, vocab), random_dist(k, seed, vocab)):
+        d = Draft(list(chain), q)
+        assert CHAIN.verify(logits, d, greedy, gen(seed)) == CHAIN.accept(p, d, gen(seed))
+    # a tree: root children 0, 1; node 0's children 2, 3; node 2's child 4 (tokens may repeat)
+    parents = [-1, -1, 0, 0, 2]
+    tokens = [int(torch.randint(0, vocab, (), generator=g)) for _ in parents]
+    if seed % 2:
+        tokens[1] = best[0]  # the second sibling is the argmax
+    for q in (None, random_dist(len(parents), seed + 1, vocab)):
+        d = Draft(list(tokens), q, parents=parents)
+        general = TREE.walk(lambda node: p[node], d, gen(seed))
+        assert TREE.verify(logits, d, greedy, gen(seed)) == general

@@ -14,6 +14,7 @@ draft length, so a batch mixes greedy and sampled requests freely.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -225,10 +226,18 @@ class Engine:
                          want_logits=False)
         # logits of the real rows only: the LM head is the largest matmul, padding rows need none
         sizes = [1 + len(d.tokens) for d in drafts]
-        logits = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)])).split(sizes)
+        flat = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)]))  # [sum sizes, V]
+        logits = flat.split(sizes)
+        # greedy requests need only each row's argmax: one call for the batch, not one per request
+        best = flat.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else None
+        offsets = [0, *itertools.accumulate(sizes)]
         events, verdicts = [], []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
-            v = for_draft(d).verify(logits[b], d, s.params, s.generator)  # logits[b]: [1 + n, V]
+            verifier = for_draft(d)
+            if s.params.greedy:
+                v = verifier.greedy(best[offsets[b] : offsets[b + 1]], d)
+            else:
+                v = verifier.verify(logits[b], d, s.params, s.generator)  # logits[b]: [1 + n, V]
             verdicts.append(v)
             s.stats.record(len(d.tokens), v.accepted, len(v.tokens), depth=d.depth)
             rows = [0] + [i + 1 for i in v.path]  # window rows kept: the root, then the accepted path

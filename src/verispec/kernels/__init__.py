@@ -52,7 +52,7 @@ def rms_norm():
 
 def attention():
     """The compiled `verispec_attention_bf16` (attention.c), or None (see `why_not`)."""
-    return _function("verispec_attention_bf16", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long] * 8
+    return _function("verispec_attention_bf16", [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_long] * 8
                      + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
 
 
@@ -177,10 +177,11 @@ def run_rms_norm(fn, x: torch.Tensor, scale: torch.Tensor, eps: float, gemma: bo
 
 
 def run_attention(fn, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, scale: float,
-                  softcap: float | None) -> torch.Tensor:
+                  softcap: float | None, slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd], all bf16 but the
     mask (attention.c). K and V are read through their strides (the cache's views), as long as each
-    key's hd values are dense; the mask may be broadcast over the batch or the queries."""
+    key's hd values are dense; the mask may be broadcast over the batch or the queries. With `slots`
+    [B] (long), K and V are [S, kvh, Lk, hd] and batch entry b reads entry slots[b] in place."""
     B, h, T, hd = q.shape
     kvh, Lk = K.shape[1], K.shape[2]
     q = q.contiguous()
@@ -189,8 +190,15 @@ def run_attention(fn, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: t
     if m.stride(-1) != 1:
         m = m.contiguous()
     m = m.view(torch.uint8)
+    if slots is not None:
+        slots = slots.to(torch.int64).contiguous()
+        if slots.shape != (B,) or not 0 <= int(slots.min()) <= int(slots.max()) < K.shape[0] or V.shape[0] != K.shape[0]:
+            raise ValueError(f"slots {tuple(slots.shape)} must index the {K.shape[0]} K/V entries once per batch entry ({B})")
+    elif K.shape[0] != B or V.shape[0] != B:
+        K, V = K.expand(B, -1, -1, -1), V.expand(B, -1, -1, -1)
     out = torch.empty(B, h, T, hd, dtype=torch.bfloat16)
-    fn(q.data_ptr(), K.data_ptr(), V.data_ptr(), m.data_ptr(), out.data_ptr(), B, h, kvh, T, Lk, hd,
+    fn(q.data_ptr(), K.data_ptr(), V.data_ptr(), m.data_ptr(), None if slots is None else slots.data_ptr(),
+       out.data_ptr(), B, h, kvh, T, Lk, hd,
        K.stride(0), K.stride(1), K.stride(2), V.stride(0), V.stride(1), V.stride(2), m.stride(0), m.stride(1),
        scale, softcap or 0.0, torch.get_num_threads())
     return out

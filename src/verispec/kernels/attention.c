@@ -17,9 +17,10 @@
  * cannot change the row. A row with no unmasked key gets zeros. AVX512, AVX2 or plain C, with the
  * same bits on each.
  *
- * Shapes: q [B, h, T, hd] dense; K, V [B, kvh, Lk, hd] with the given strides (elements; a row's hd
- * values dense); mask [B, T, Lk] bytes with strides (mb, mt) and dense keys; out [B, h, T, hd]
- * dense. The h / kvh query heads of KV head j are j * g ... j * g + g - 1.
+ * Shapes: q [B, h, T, hd] dense; K, V [S, kvh, Lk, hd] with the given strides (elements; a row's hd
+ * values dense), batch entry b reading entry slot[b] (slot NULL: entry b), so a decode batch reads
+ * its requests' cache slots in place instead of gathering them first; mask [B, T, Lk] bytes with
+ * strides (mb, mt) and dense keys; out [B, h, T, hd] dense. The h / kvh query heads of KV head j are j * g ... j * g + g - 1.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -107,7 +108,7 @@ static inline void axpys(float *o, const float *w, const uint8_t *live, int R, c
 }
 
 void verispec_attention_bf16(const uint16_t *q, const uint16_t *K, const uint16_t *V, const uint8_t *mask,
-                             uint16_t *out, int B, int h, int kvh, int T, int Lk, int hd,
+                             const int64_t *slot, uint16_t *out, int B, int h, int kvh, int T, int Lk, int hd,
                              long kb, long kh, long kl, long vb, long vh, long vl, long mb, long mt,
                              float scale, float softcap, int threads) {
     int g = h / kvh, rows = g * T;  /* query rows per KV head: (head in group, position) */
@@ -118,7 +119,8 @@ void verispec_attention_bf16(const uint16_t *q, const uint16_t *K, const uint16_
     for (long it = 0; it < items; it++) {
         int b = (int)(it / ((long)kvh * tiles)), j = (int)(it / tiles % kvh), r0 = (int)(it % tiles) * tile;
         int R = rows - r0 < tile ? rows - r0 : tile;
-        const uint16_t *Kj = K + b * kb + j * kh, *Vj = V + b * vb + j * vh;
+        long e = slot ? (long)slot[b] : b;  /* the K/V entry (cache slot) of batch entry b */
+        const uint16_t *Kj = K + e * kb + j * kh, *Vj = V + e * vb + j * vh;
         float *buf = (float *)malloc(sizeof(float) * (size_t)R * (Lk + 2 * hd));
         if (!buf) abort();
         float *s = buf, *qf = buf + (size_t)R * Lk, *o = qf + (size_t)R * hd;  /* [R, Lk], [R, hd], [R, hd] */

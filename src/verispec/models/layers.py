@@ -184,10 +184,12 @@ def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotate(x.transpose(1, 2), cos, sin).contiguous()
 
 
-def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
+def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None,
+                      slots: torch.Tensor | None = None) -> torch.Tensor:
     """Attention as two batched matmuls, the query heads of a KV group stacked as rows:
     q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd]; scores and
-    softmax in fp32.
+    softmax in fp32. With `slots` [B], K/V are the cache's [S, kvh, Lk, hd] and batch entry b
+    attends entry slots[b] (the native kernel reads it in place; a copy of those entries otherwise).
 
     The CPU path for bf16/fp16. PyTorch's CPU flash kernel is slow there for decode shapes (Gemma
     3 270M, h 4, kvh 1, hd 256, 512 keys, on the AVX512-BF16 EPYC: one query at batch 64 38.5 ms
@@ -207,7 +209,9 @@ def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None)
     if q.dtype == torch.bfloat16 and K.dtype == V.dtype == q.dtype and not needs_grad:
         fn = kernels.attention()
         if fn is not None:
-            return kernels.run_attention(fn, q, K, V, mask, scale, softcap)
+            return kernels.run_attention(fn, q, K, V, mask, scale, softcap, slots)
+    if slots is not None:
+        K, V = K[slots], V[slots]
     B, h, T, hd = q.shape
     kvh = K.shape[1]
     g = h // kvh
@@ -230,15 +234,19 @@ def grouped_attention(q, K, V, mask, scale: float, softcap: float | None = None)
 INVARIANT_QUERIES = 2  # fp32 SDPA queries per call in invariant mode (see `attend`)
 
 
-def attend(q, K, V, mask, scale: float, softcap: float | None = None, invariant: bool = False) -> torch.Tensor:
-    """q [B, h, T, hd], K/V [B, kvh, Lk, hd], mask [B, 1, T, Lk] bool -> [B, h, T, hd].
+def attend(q, K, V, mask, scale: float, softcap: float | None = None, invariant: bool = False,
+           slots: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, h, T, hd], K/V [B, kvh, Lk, hd] (or [S, kvh, Lk, hd] read at entries `slots` [B]),
+    mask [B, 1, T, Lk] bool -> [B, h, T, hd].
 
     bf16/fp16 on CPU, and soft-capped logits anywhere, take `grouped_attention` (row-invariant as it
     is). Otherwise SDPA; with invariant=True in fp32 every call holds exactly two queries, the shape
     a lone query is padded to, because the CPU kernel computes a row differently with the number of
     queries in the call and has its own path for one query."""
     if softcap is not None or (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)):
-        return grouped_attention(q, K, V, mask, scale, softcap)
+        return grouped_attention(q, K, V, mask, scale, softcap, slots)
+    if slots is not None:
+        K, V = K[slots], V[slots]
     if not invariant:
         return _sdpa(q, K, V, mask, scale)
     outs = []
@@ -300,7 +308,7 @@ class Attention(nn.Module):
         route = getattr(kv, "route", None)  # token trees: queries regrouped into path views (models/paths.py)
         if route is not None:
             q = route.gather_queries(q)
-        o = attend(q, K, V, mask, c.attn_scale, c.attn_logit_softcap, self.invariant)
+        o = attend(q, K, V, mask, c.attn_scale, c.attn_logit_softcap, self.invariant, getattr(kv, "slots", None))
         if route is not None:
             o = route.scatter_outputs(o, B, T)
         out = self.out or (self.o_proj.weight, self.o_proj.bias)

@@ -170,17 +170,13 @@ class CausalLM(nn.Module):
 
         slot_idx = torch.tensor(slots, device=dev)[:, None].expand(B, T)
         contiguous = slots == list(range(slots[0], slots[0] + B))
-        if contiguous:
-            s0 = slots[0]
+        s0 = slots[0] if contiguous else None
+        # K/V the layers attend over: the batch's slots as one view when they are consecutive, else
+        # every slot's first Lk rows with the slot of each batch entry (attention reads them in place)
+        read_slots = None if contiguous else slot_idx[:, 0].contiguous()
 
-            def kv_view(t):  # a view, no copy
-                return t[s0 : s0 + B, :, :Lk]
-
-        else:
-            sl = torch.tensor(slots, device=dev)
-
-            def kv_view(t):  # one index on the slot dim of the first Lk rows (63 of 64 slots, 512 rows: 2.2 ms, against 3.4 indexing slots and rows)
-                return t[:, :, :Lk][sl]
+        def kv_view(t):  # a view, no copy
+            return t[s0 : s0 + B, :, :Lk] if contiguous else t[:, :, :Lk]
 
         x = self.embed(input_ids)
         hidden = {}
@@ -192,7 +188,8 @@ class CausalLM(nn.Module):
                 cos_sin[kind] = self._cos_sin(kind, positions)
             cos, sin = cos_sin[kind]
             mask = masks[self.config.sliding_windows[i]]
-            x = self.model.layers[i](x, cos, sin, _cache_kv(cache.k[i], cache.v[i], slot_idx, new_rows, kv_view, mask, paths))
+            x = self.model.layers[i](x, cos, sin, _cache_kv(cache.k[i], cache.v[i], slot_idx, new_rows, kv_view, mask,
+                                                            paths, read_slots))
             if i in taps:
                 hidden[i] = x
         h = self.model.norm(x)
@@ -203,10 +200,12 @@ class CausalLM(nn.Module):
         return ForwardOutput(logits, hidden, h)
 
 
-def _cache_kv(k_cache, v_cache, slots, rows, kv_view, mask, paths: PathViews | None = None) -> KV:
+def _cache_kv(k_cache, v_cache, slots, rows, kv_view, mask, paths: PathViews | None = None,
+              read_slots: torch.Tensor | None = None) -> KV:
     """The target's `kv` for one layer: write the new keys/values at cache rows (slots, rows) [B, T]
-    in place, attend over kv_view(cache) [B, kv_heads, Lk, hd] with `mask` -- or, for token trees,
-    over each query's path view (`kv.route`, which regroups the queries)."""
+    in place, attend over kv_view(cache) [B, kv_heads, Lk, hd] (or [S, ...] read at `kv.slots`
+    [B]) with `mask` -- or, for token trees, over each query's path view (`kv.route`, which
+    regroups the queries)."""
 
     def kv(k, v):  # [B, kvh, T, hd]
         k_cache[slots, :, rows] = k.transpose(1, 2)
@@ -216,6 +215,7 @@ def _cache_kv(k_cache, v_cache, slots, rows, kv_view, mask, paths: PathViews | N
         return kv_view(k_cache), kv_view(v_cache), mask
 
     kv.route = paths
+    kv.slots = None if paths is not None else read_slots
     return kv
 
 

@@ -13,7 +13,9 @@ Glossary (per request, one step):
 - recovered      at the first node where no child passes, a token drawn from the residual
                  norm(max(0, p - q)) left by the rejected children, so it is distributed as p;
 - bonus          when the path reaches a leaf, one more token drawn from p at the leaf.
-Each step emits accepted + 1 tokens. Greedy is not a separate branch: `probs` makes p one-hot.
+Each step emits accepted + 1 tokens. Greedy is the case where `probs` makes p one-hot; the
+verifiers compute that case's outcome directly from the rows' argmax (`greedy`: the same verdicts,
+tested against the general rule, without [n + 1, V] one-hot rows).
 
 A verifier is one class with `verify(logits, draft, params, generator) -> Verdict`; `for_draft`
 picks the chain verifier for chains and the tree verifier for trees.
@@ -39,6 +41,10 @@ class Verdict:
 class Verifier(Protocol):
     def verify(self, logits: torch.Tensor, draft, params: SamplingParams, generator: torch.Generator) -> Verdict:
         """logits [n + 1, V] fp32: row 0 at the last committed token, row i at draft node i - 1."""
+        ...
+
+    def greedy(self, best: list[int], draft) -> Verdict:
+        """`verify` for a greedy request, from the argmax of each of those rows."""
         ...
 
 

@@ -25,12 +25,17 @@ class TreeVerifier:
         """logits [n + 1, V]: row 0 at the root (last committed token), row i + 1 at draft node i.
         draft.parents[i] is node i's parent (-1: the root); draft.q[i] the distribution node i was
         drawn from (its parent's draft distribution; None: a deterministic drafter)."""
-        children: list[list[int]] = [[] for _ in range(len(draft.tokens) + 1)]
-        for i, par in enumerate(draft.parents):
-            children[par + 1].append(i)
+        if params.greedy:
+            return self.greedy(logits[: len(draft.tokens) + 1].argmax(-1).tolist(), draft)
+        return self.walk(lambda node: probs(logits[node : node + 1], params)[0], draft, generator)
+
+    def walk(self, p_at, draft, generator: torch.Generator) -> Verdict:
+        """The recursive rejection walk; p_at(node) [V] is the processed target distribution at a
+        node (0: the root), computed only for the rows the walk visits."""
+        children = _children(draft)
         node, path, tokens = 0, [], []
         while True:
-            p = probs(logits[node : node + 1], params)[0]  # [V]: only the rows the walk visits
+            p = p_at(node)
             chosen = None
             removed: list[int] = []  # siblings already rejected (without replacement: out of q)
             for i in children[node]:
@@ -52,6 +57,22 @@ class TreeVerifier:
             node = chosen + 1
 
     @staticmethod
+    def greedy(best: list[int], draft) -> Verdict:
+        """The walk for a greedy request from its rows' argmax `best` [n + 1]: p at every node is a
+        point mass on its row's argmax, so a child other than the argmax is rejected and leaves p
+        as it was (the residual of a point mass at another token is the point mass), and the first
+        child equal to the argmax is accepted. Tested against `walk`."""
+        children, tokens = _children(draft), draft.tokens
+        node, path, out = 0, [], []
+        while True:
+            chosen = next((i for i in children[node] if tokens[i] == best[node]), None)
+            if chosen is None:
+                return Verdict(out + [best[node]], len(path), path)
+            out.append(tokens[chosen])
+            path.append(chosen)
+            node = chosen + 1
+
+    @staticmethod
     def _q(draft, i: int, removed: list[int], like: torch.Tensor) -> torch.Tensor:
         """q_i [V]: the distribution sibling i was drawn from, given the siblings tried before it."""
         if draft.q is None:  # deterministic: a point mass on the token itself
@@ -65,3 +86,11 @@ class TreeVerifier:
         q[removed] = 0.0
         total = q.sum()
         return q / total if total > 0 else q
+
+
+def _children(draft) -> list[list[int]]:
+    """children[node]: the draft nodes whose parent is node - 1 (node 0: the root), in draft order."""
+    children: list[list[int]] = [[] for _ in range(len(draft.tokens) + 1)]
+    for i, par in enumerate(draft.parents):
+        children[par + 1].append(i)
+    return children
