@@ -282,6 +282,64 @@ def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
     assert all(t > 0 for q in seen.values() for t in q)
 
 
+@pytest.mark.parametrize("drafting", ["cheap", "dear"])
+def test_where_nothing_pays_probe_steps_still_verify_and_come_ever_rarer(drafting):
+    """A profile where every window costs ten times a plain step: the planner never chooses one.
+    Probe steps still verify one token per draft whatever the planner says, so the estimator keeps
+    getting verdicts: right after the first step, then 8, 16, 32, ... steps apart. A cheap drafter
+    (the n-gram lookup) drafts every step; a dear one only on those probe steps."""
+    class Always(NgramDrafter):  # drafts its budget every time: k copies of the last token
+        def propose(self, seqs, budgets):
+            return [Draft([s.tokens[-1]] * k) for s, k in zip(seqs, budgets)]
+
+    class Cost(C.DraftCost):  # what drafting costs, fixed (a live median would follow the test machine)
+        def __call__(self, num_reqs):
+            return 0.0 if drafting == "cheap" else 1.0  # nothing, or a plain step (the StepCost prior)
+
+    target = ours_from_hf(build_hf("llama", seed=0))
+    dear = CostProfile([1, 2, 64], [1.0, 10.0, 320.0])
+    policy = AdaptiveDraftLength(dear, max_depth=6)
+    policy.draft_cost = Cost()
+    policy.step_cost.record = lambda n, seconds: None  # plan by the profile, not by this machine's step times
+    drafted, verified = [], []
+    admit = policy.admit
+
+    def spy(seqs, drafts, draft_seconds):
+        out = admit(seqs, drafts, draft_seconds)
+        if any(d.tokens for d in drafts):
+            drafted.append(policy.steps)
+        if any(d.tokens for d in out):
+            verified.append((policy.steps, max(len(d.tokens) for d in out)))
+        return out
+
+    policy.admit = spy
+    _, seqs, _ = _run(target, Always(), policy, [[5, 6, 7, 5, 6]], SamplingParams(max_tokens=80, ignore_eos=True), k=4)
+    assert [s for s, _ in verified][:4] == [2, 10, 26, 58], verified
+    assert all(w == 1 for _, w in verified)  # a probe verifies one token; the planner wanted none
+    if drafting == "cheap":
+        assert drafted == list(range(1, len(drafted) + 1)) and len(drafted) >= 60
+    else:
+        assert drafted == [1] + [s for s, _ in verified]
+    assert seqs[0].stats.drafted == len(verified) == policy.estimator.observations
+
+
+def test_profile_records_the_tokens_its_forwards_carry_and_repeats_round_the_grid(monkeypatch):
+    target = ours_from_hf(build_hf("llama", seed=0))
+    calls = []
+    forward = type(target).forward
+
+    def counting(self, ids, *a, **kw):
+        calls.append(tuple(ids.shape))
+        return forward(self, ids, *a, **kw)
+
+    monkeypatch.setattr(type(target), "forward", counting)
+    prof = C.measure(target, 12, 4, repeats=2)
+    # 6 tokens over 4 rows is a forward of 4 x 2 = 8: recorded as 8, measured once per round
+    assert prof.tokens == [1, 2, 3, 4, 8, 12]
+    shapes = [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2), (4, 3)]
+    assert calls == shapes * 3  # a warm-up round, then the repeats round the whole grid
+
+
 # ---- lossless, through the engine -------------------------------------------------------------
 STEEP = CostProfile([1, 2, 4, 8, 16, 64], [1.0, 1.3, 1.6, 2.4, 4.0, 16.0])  # windows of 0..3 all occur
 

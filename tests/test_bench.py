@@ -151,11 +151,11 @@ def test_equality_check_catches_a_broken_acceptor(tiny, monkeypatch):
 
     from verispec.verify.chain import ChainVerifier
 
-    def accept_everything(self, p, draft, gen):  # broken: takes every draft token unchecked
+    def accept_everything(best, draft):  # broken: takes every draft token unchecked (greedy requests)
         k = len(draft.tokens)
-        return Verdict(list(draft.tokens) + [int(p[k].argmax())], k, list(range(k)))
+        return Verdict(list(draft.tokens) + [best[k]], k, list(range(k)))
 
-    monkeypatch.setattr(ChainVerifier, "accept", accept_everything)
+    monkeypatch.setattr(ChainVerifier, "greedy", staticmethod(accept_everything))
     traces = run_interleaved(methods, prompts, 12, rounds=1)
     rep = R.build(traces, methods, prompts, {}, env={"x": 1})
     assert "ngram@policy=fixed" in rep["mismatches"] and "plain" not in rep["mismatches"]
@@ -195,7 +195,7 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     methods += hf_methods(hf, [3], "float32")
     traces = run_interleaved(methods, prompts, 8, rounds=2)
     sweep = run_sweep(ours, None, "tiny", [None, NG], 4, "float32", "normal", [1, 2, 4], prompts, 8, 64,
-                      factories=FACTORIES)
+                      factories=FACTORIES, rounds=2)
     config = {"model": "tiny", "dtype": "float32", "rounds": 2, "max_tokens": 8, "num_draft_tokens": 4,
               "datasets": ["toy", "toy2"], "modes": ["normal", "exact"]}
     rep = R.build(traces, methods, prompts, config, sweep, notes=["a note"])
@@ -208,6 +208,7 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     assert set(rep["peer_outputs_vs_verispec_plain"]) == {"hf plain", "hf pld:3"}  # peers only
     assert rep["exact_cost"][NG]["outputs_equal_normal"]["total"] == 6
     assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 4
+    assert all(len(p["throughput_rounds"]) == 2 and p["throughput_tok_s"] in p["throughput_rounds"] for p in rep["sweep"])
     assert all(p["identical_to_single_stream_plain"] == {"identical": p["requests"], "total": p["requests"]}
                for p in rep["sweep"])  # fp32: batched greedy == single-stream greedy
     files = R.write(rep, tmp_path / "rep")

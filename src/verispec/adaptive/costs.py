@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "verispec-cost-profile/1"
+FORMAT = "verispec-cost-profile/2"  # 2: repeats round the grid, true token counts
 CONTEXT = 256  # committed rows the dummy forwards attend to
 REPEATS = 5
 
@@ -110,35 +110,47 @@ def profile_path(key: dict) -> Path:
 
 @torch.inference_mode()
 def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, progress=None) -> CostProfile:
-    """Time dummy verify forwards over the token grid: num_tokens split over min(num_tokens,
-    max_batch) rows at a synthetic context of CONTEXT rows (what a decode step looks like), in the
-    numerics the engine decodes with (batch-invariant kernels for bf16/fp16: their cost differs)."""
+    """Time dummy verify forwards over the token grid: a grid point of n tokens is min(n, max_batch)
+    rows of ceil(n / rows) tokens (what a decode step looks like; the profile records the tokens
+    that forward really carries) at a synthetic context of CONTEXT rows, in the numerics the engine
+    decodes with (batch-invariant kernels for bf16/fp16: their cost differs). The repeats go round
+    the whole grid, so a burst of other work on the machine lands on one repeat of every point,
+    where the median drops it, instead of on every repeat of a few points (which bent the curve)."""
     from ..kv import KV_BLOCK, round_up
 
-    grid = token_grid(max_tokens)
+    shapes = {}  # tokens in the forward -> (rows, width)
+    for n in token_grid(max_tokens):
+        rows = min(n, max_batch)
+        width = -(-n // rows)
+        shapes.setdefault(rows * width, (rows, width))
+    grid = sorted(shapes)
     rows_max = min(max_batch, max_tokens)
-    width_max = -(-max_tokens // rows_max)
+    width_max = max(w for _, w in shapes.values())
     cache = model.new_cache(rows_max, round_up(CONTEXT + width_max + 1, KV_BLOCK))
     was = getattr(model, "invariant", False)
     model.set_batch_invariant(model.dtype != torch.float32)
-    seconds = []
-    for n in grid:
-        rows = min(n, max_batch)
-        width = -(-n // rows)
+
+    def forward(n: int) -> float:
+        rows, width = shapes[n]
         ids = torch.zeros(rows, width, dtype=torch.long, device=model.device)
         starts = torch.full((rows,), CONTEXT)
         kv_len = round_up(CONTEXT + width, KV_BLOCK) if model.dtype != torch.float32 else None
-        times = []
-        for r in range(repeats + 1):  # the first run warms up
-            t0 = time.perf_counter()
-            model(ids, cache, list(range(rows)), starts, kv_len=kv_len)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            if r:
-                times.append(time.perf_counter() - t0)
-        seconds.append(statistics.median(times))
-        if progress:
-            progress(n, seconds[-1])
+        t0 = time.perf_counter()
+        model(ids, cache, list(range(rows)), starts, kv_len=kv_len)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for n in grid:  # warm-up
+        forward(n)
+    times: dict[int, list[float]] = {n: [] for n in grid}
+    for _ in range(repeats):
+        for n in grid:
+            times[n].append(forward(n))
+    seconds = [statistics.median(times[n]) for n in grid]
+    if progress:
+        for n, sec in zip(grid, seconds):
+            progress(n, sec)
     model.set_batch_invariant(was)
     return CostProfile(grid, monotone(seconds))
 

@@ -30,7 +30,14 @@ PLANNERS = ("greedy", "topb")
 
 
 class AdaptiveDraftLength:
-    PROBE_EVERY = 8  # while nothing pays, draft only every 8th step (to keep learning)
+    # While nothing pays, probe steps verify one token per request whatever the planner says
+    # (otherwise a policy that starts, or lands, where its estimates say nothing pays would never
+    # see a verdict again): the first 8 steps after the last verified window, then 16, 32, ... up
+    # to 256 apart, so probing costs little where speculation really does not pay (at 64 requests
+    # a probe step costs about 1.8 plain steps). A dear drafter drafts only on those steps.
+    PROBE_EVERY = 8
+    PROBE_MAX = 256
+    CHEAP_DRAFT = 0.05  # drafting under 5% of a plain step's time: always draft the full k
 
     def __init__(self, profile: "CostProfile | Callable[[], CostProfile]", planner: str = "greedy",
                  max_depth: int = 64, refit_every: int = 100):
@@ -44,6 +51,9 @@ class AdaptiveDraftLength:
         self._verify_started: tuple[int, int, float] | None = None  # (num_reqs, window, perf_counter) of this step
         self.steps = 0
         self.width = None  # the window chosen last step (None: no step yet)
+        self._probe = False  # this step is a probe (budgets): it verifies at least one node per draft
+        self._probe_every = self.PROBE_EVERY
+        self._next_probe = 0
         self._stale_width: int | None = None  # topb: the best window by last step's survivals
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
         self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
@@ -62,16 +72,25 @@ class AdaptiveDraftLength:
         return self._step_cost
 
     def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
-        """Each request's own k, but at most two more than last step's window (drafting what
-        will not be verified costs a model drafter a forward per node); when last step admitted
-        nothing, no drafting except every PROBE_EVERY-th step. Only past steps decide this."""
+        """How many nodes each request may draft: its own k when drafting is cheap (under
+        CHEAP_DRAFT of a plain step: the n-gram lookup), since the planner then chooses among the
+        drafted nodes at almost no cost. A dear drafter (a model's forward per node) drafts at most
+        two more than last step's window, and nothing after a step that verified nothing, but on
+        probe steps. Only past steps decide this."""
         self.steps += 1
-        adaptive_cap = cap
-        if self.width is not None:
-            if self.width > 0:
-                adaptive_cap = min(cap, self.width + 2)
-            elif self.steps % self.PROBE_EVERY:
-                adaptive_cap = 0
+        self._probe = self.width == 0 and self.steps >= self._next_probe
+        if self._probe:
+            self._next_probe = self.steps + self._probe_every
+            self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
+        elif self.width:
+            self._probe_every = self.PROBE_EVERY
+            self._next_probe = self.steps + self.PROBE_EVERY
+        n = len(seqs)
+        cheap = self.draft_cost(n) <= self.CHEAP_DRAFT * self.step_cost.table(n, 0)[0]
+        if self.width is None or self._probe or cheap:
+            adaptive_cap = cap
+        else:
+            adaptive_cap = min(cap, self.width + 2) if self.width else 0
         return [max(0, min(s.num_draft_tokens, cap if pinned(s) else adaptive_cap, s.params.max_tokens - s.num_output - 1))
                 for s in seqs]
 
@@ -95,6 +114,8 @@ class AdaptiveDraftLength:
             width = best if self._stale_width is None else self._stale_width
             self._stale_width = best  # used next step only: its survivals are then history
         self.width = width
+        if self._probe:
+            width = max(width, 1)
         # a pinned draft widens the window for everyone, at no further cost
         width = max([width] + [len(d.tokens) for d, p in zip(drafts, pins) if p])
         out = []

@@ -80,7 +80,7 @@ def add_parser(sub) -> None:
                    help=f"load sweep levels (default {DEFAULT_CONCURRENCY}); 'none' to skip")
     b.add_argument("--sweep-via", type=_list, default=["engine"],
                    help="engine (in process) and/or server (through `verispec serve` processes over HTTP)")
-    b.add_argument("--sweep-rounds", type=int, default=1, help="rounds per level of the server sweep (median)")
+    b.add_argument("--sweep-rounds", type=int, default=1, help="rounds of the load sweep, in process and through the server (each point: its median round)")
     b.add_argument("--sweep-drafters", type=_list, default=None,
                    help="drafters in the load sweep (default: plain + --drafters)")
     b.add_argument("--sample-check", type=int, default=2, metavar="PROMPTS",
@@ -212,7 +212,7 @@ def cmd_bench(args) -> int:
         if "engine" in args.sweep_via:
             sweep += run_sweep(target, tok, args.model, sweep_drafters, args.num_draft_tokens, args.dtype,
                                args.modes[0], args.concurrency, prompts, args.max_tokens, max_len, ignore_eos,
-                               progress=log)
+                               rounds=args.sweep_rounds, progress=log)
         if "server" in args.sweep_via:
             from .server_sweep import run_server_sweep
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..drafters import make_drafter
@@ -159,6 +159,7 @@ class SweepPoint:
     seconds: float
     per_request: list[dict]  # prompt, tokens, seconds, ttft, tpot, output_ids
     tau: float
+    throughput_rounds: list[float] = field(default_factory=list)  # tok/s of every round, in order
 
     @property
     def throughput(self) -> float:
@@ -170,6 +171,7 @@ class SweepPoint:
         tpots = [r["tpot_s"] for r in self.per_request if r["tpot_s"]]
         return {"method": self.method, "concurrency": self.concurrency, "requests": self.requests,
                 "output_tokens": self.output_tokens, "seconds": self.seconds, "throughput_tok_s": self.throughput,
+                "throughput_rounds": self.throughput_rounds or [self.throughput],
                 "tau": self.tau, "tpot_ms": spread([x * 1e3 for x in tpots]),
                 "per_user_tok_s": spread([1 / x for x in tpots]),
                 "ttft_ms": spread([r["ttft_s"] * 1e3 for r in self.per_request]),
@@ -211,30 +213,42 @@ def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos
 
 def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int, dtype: str, mode: str,
               concurrency: list[int], prompts: list[Prompt], max_tokens: int, max_model_len: int,
-              ignore_eos: bool = True, factories: dict | None = None,
+              ignore_eos: bool = True, factories: dict | None = None, rounds: int = 1,
               progress: Callable[[str], None] | None = None) -> list[SweepPoint]:
     """Each drafter (None = plain) at each concurrency; the engine is built once per point and warmed up.
     A method's draft-length policy lives through the whole sweep, as it does in a server process
     while the load changes: what an adaptive policy learned at one level (acceptance, the step
     cost by forward size) it keeps at the next, instead of learning it again in every 30-step
-    burst."""
-    points = []
+    burst. With several rounds, the whole sweep repeats (the methods' order rotated per round and
+    level, as the server sweep does) and a point reports its median round."""
     policies: dict[str, object] = {}
+    runs: dict[tuple[str | None, int], list[tuple[float, list[dict], float]]] = {}
     exact = mode == "exact"
     tag = " [exact]" if exact else ""
+    for r in range(rounds):
+        for c in concurrency:
+            reqs = sweep_requests(prompts, c)
+            j = (r + concurrency.index(c)) % len(drafters)
+            for spec in drafters[j:] + drafters[:j]:
+                drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
+                cfg = engine_config(model, drafter, kk, dtype, exact, c, max_model_len, tree=tree, policy=policy)
+                eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter), policies.get(spec))
+                if spec:
+                    policies[spec] = eng.policy
+                run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
+                seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
+                runs.setdefault((spec, c), []).append((seconds, rows, st.tau))
+                if progress:
+                    name = f"{spec}{tag}" if spec else f"plain{tag}"
+                    tok = sum(x["tokens"] for x in rows)
+                    progress(f"sweep {name} @ {c}{f', round {r + 1}' if rounds > 1 else ''}: {tok / seconds:.1f} tok/s")
+                del eng
+    points = []
     for c in concurrency:
-        reqs = sweep_requests(prompts, c)
         for spec in drafters:
-            drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
-            cfg = engine_config(model, drafter, kk, dtype, exact, c, max_model_len, tree=tree, policy=policy)
-            eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter), policies.get(spec))
-            if spec:
-                policies[spec] = eng.policy
-            run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
-            seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
-            name = f"{spec}{tag}" if spec else f"plain{tag}"
-            points.append(SweepPoint(name, c, len(reqs), sum(r["tokens"] for r in rows), seconds, rows, st.tau))
-            if progress:
-                progress(f"sweep {name} @ {c}: {points[-1].throughput:.1f} tok/s")
-            del eng
+            reps = sorted(runs[(spec, c)], key=lambda x: x[0])
+            seconds, rows, tau = reps[len(reps) // 2]  # the median round (the slower middle one of an even count)
+            points.append(SweepPoint(f"{spec}{tag}" if spec else f"plain{tag}", c, len(rows),
+                                     sum(x["tokens"] for x in rows), seconds, rows, tau,
+                                     [sum(x["tokens"] for x in rs) / s for s, rs, _ in runs[(spec, c)]]))
     return points
