@@ -241,7 +241,7 @@ def test_cost_profile_interpolates_and_forces_monotone():
     assert C.token_grid(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
 
 
-def test_step_cost_prefers_what_the_engine_measured_and_is_optimistic_past_it():
+def test_step_cost_prefers_what_the_engine_measured_and_follows_the_profile_past_it():
     prof = CostProfile([1, 4, 8, 16, 32], [1.0, 1.0, 2.0, 4.0, 8.0])
     sc = C.StepCost(prof, window=4)
     assert sc.table(4, 2) == [1.0, 2.0, 3.0]  # nothing seen: the profile at 4 x (1 + window) tokens
@@ -255,19 +255,30 @@ def test_step_cost_prefers_what_the_engine_measured_and_is_optimistic_past_it():
     assert sc(2) == pytest.approx(3.0)
     sc.record(16, 9.0), sc.record(16, 9.0)
     assert sc(16) == 9.0 and sc(10) == pytest.approx(3.0 + 6.0 * 6 / 12)  # between seen counts: linear
-    # past the last seen count: the lower of the profile's shape (9 x 8/4 = 18) and the line
-    # through the first and last seen counts (9 + 0.5 x 16 = 17)
-    assert sc(32) == pytest.approx(17.0)
+    assert sc(32) == pytest.approx(18.0)  # past the last seen count: the profile's shape (9 x 8 / 4)
     sc.record(8, 5.0), sc.record(8, 5.0)
     sc.record(12, 1.0), sc.record(12, 1.0)  # a wider window never reads cheaper than a narrower one
     assert sc.table(4, 2) == pytest.approx([3.0, 5.0, 5.0])
     for _ in range(4):
         sc.record(4, 1.0)  # only the last `window` steps count
     assert sc(4) == 1.0
-    sc2 = C.StepCost(CostProfile([1, 2, 8], [1.0, 2.0, 8.0]))  # a profile far too steep
+
+
+def test_step_cost_prices_the_lm_head_by_the_rows_it_is_given():
+    """The engine runs the LM head on the real rows only: a step's time, less the profile's head
+    cost for its rows, is the body's cost at its token count; a window is priced at the body of the
+    padded forward plus the head over the rows the window admits."""
+    prof = CostProfile([1, 4, 16], [1.0, 2.0, 8.0], head_tokens=[1, 4, 16], head_seconds=[0.5, 1.0, 4.0])
+    assert prof.body_cost(16) == pytest.approx(4.0) and prof.head_cost(10) == pytest.approx(2.5)
+    sc = C.StepCost(prof)
     for _ in range(2):
-        sc2.record(1, 1.0), sc2.record(2, 1.1)
-    assert sc2(8) == pytest.approx(1.7)  # the seen line, not the profile's 8 x 1.1 / 2
+        sc.record(16, 5.0, head_rows=7)  # 4 requests at window 3, one of them drafting: head(7) = 1.75
+    assert sc.seen[16][0] == pytest.approx(3.25)
+    # window 3 at 4 requests, all four drafting (16 head rows) or one (7): body 3.25 + head
+    assert sc.table(4, 3, [4, 7, 10, 16])[3] == pytest.approx(3.25 + 4.0)
+    assert sc.table(4, 3, [4, 5, 6, 7])[3] == pytest.approx(3.25 + 1.75)
+    d = CostProfile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert d.head_tokens == [1, 4, 16] and d.head_seconds == [0.5, 1.0, 4.0]
 
 
 def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
@@ -300,7 +311,7 @@ def test_where_nothing_pays_probe_steps_still_verify_and_come_ever_rarer(draftin
     dear = CostProfile([1, 2, 64], [1.0, 10.0, 320.0])
     policy = AdaptiveDraftLength(dear, max_depth=6)
     policy.draft_cost = Cost()
-    policy.step_cost.record = lambda n, seconds: None  # plan by the profile, not by this machine's step times
+    policy.step_cost.record = lambda *a, **kw: None  # plan by the profile, not by this machine's step times
     drafted, verified = [], []
     admit = policy.admit
 

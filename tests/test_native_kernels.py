@@ -293,3 +293,56 @@ def test_native_rope_is_torchs_rotate_bit_for_bit():
         assert got.is_contiguous() and torch.equal(got, want), (B, T, H, hd)
         one = cos[:1].expand(B, 1, T, hd), sin[:1].expand(B, 1, T, hd)
         assert torch.equal(rope_heads(x, *one), rotate(x.transpose(1, 2), *one).contiguous())
+
+
+needs_int8 = pytest.mark.skipif(kernels.int8_gemm() is None, reason=f"native kernels unavailable: {kernels.why_not()}")
+
+
+@needs_int8
+@pytest.mark.parametrize("N,K", [(64, 640), (100, 48), (640, 2048)])
+def test_native_int8_gemm_is_x_times_the_scaled_codes_with_each_row_alone(N, K):
+    """int8_gemm.c: (x @ Q.T) * scale in fp32 then bf16, against the same product in fp64 (within a
+    bf16 rounding); the packed codes unpack to the codes; a row's bits are the same among 1-70 rows
+    at any position and on one or two threads; and the AVX512 and AVX2 builds agree bit for bit."""
+    g = torch.Generator().manual_seed(17)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = (torch.rand(N, generator=g) / 100 + 1e-3).bfloat16()
+    x = torch.randn(70, K, generator=g).bfloat16()
+    packed = kernels.pack_int8(q)
+    assert torch.equal(kernels.unpack_int8(packed, N), q)
+    fn = kernels.int8_gemm()
+    got = kernels.run_int8_gemm(fn, x, packed, scale, N)
+    ref = (x.double() @ q.double().T) * scale.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 5, 64, 70):
+                for start in (0, 70 - m):
+                    part = kernels.run_int8_gemm(fn, x[start : start + m].contiguous(), packed, scale, N)
+                    assert torch.equal(part, got[start : start + m]), (t, m, start)
+    finally:
+        torch.set_num_threads(threads)
+    outs = {}
+    for isa, lib in _variants():
+        f = lib.verispec_int8_gemm
+        f.restype, f.argtypes = None, fn.argtypes
+        outs[isa] = kernels.run_int8_gemm(f, x[:7].contiguous(), packed, scale, N)
+    assert all(torch.equal(o, got[:7]) for o in outs.values()), list(outs)
+
+
+@needs_int8
+def test_int8_weights_run_on_the_native_kernel_and_dequantize_to_what_it_computes():
+    from verispec.models.quant import PackedWeight
+
+    g = torch.Generator().manual_seed(18)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    pw = PackedWeight(w, "int8")
+    assert pw.native is not None and not hasattr(pw, "q")
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    ref = (x.double() @ pw.codes().double().T) * pw.scale.double()
+    torch.testing.assert_close(pw.mm(x).double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    assert torch.equal(pw.dequantize(), (pw.codes().float() * pw.scale.float()[:, None]).bfloat16())
+    assert pw.nbytes == 96 * 64 + 96 * 2
+    assert PackedWeight(w.float(), "int8").native is None  # fp32 activations keep torch's kernel

@@ -37,9 +37,9 @@ def cmd_profile(args) -> int:
     prof = costs.load_or_measure(model, args.max_tokens, args.max_batch_size)
     print(f"verify cost of {args.model} ({args.dtype}, quant {args.quant}, {threads} threads, "
           f"context {costs.CONTEXT}); cached in {path}")
-    print(f"{'tokens':>7} {'ms':>9} {'ms/token':>9} {'tokens/s':>9}")
+    print(f"{'tokens':>7} {'ms':>9} {'ms/token':>9} {'tokens/s':>9} {'LM head ms':>11}")
     for n, s in zip(prof.tokens, prof.seconds):
-        print(f"{n:>7} {s * 1e3:>9.2f} {s * 1e3 / n:>9.3f} {n / s:>9.1f}")
+        print(f"{n:>7} {s * 1e3:>9.2f} {s * 1e3 / n:>9.3f} {n / s:>9.1f} {prof.head_cost(n) * 1e3:>11.2f}")
     if args.plot:
         import matplotlib
 
@@ -47,7 +47,10 @@ def cmd_profile(args) -> int:
         import matplotlib.pyplot as plt
 
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-        a.plot(prof.tokens, [s * 1e3 for s in prof.seconds], marker="o")
+        a.plot(prof.tokens, [s * 1e3 for s in prof.seconds], marker="o", label="forward with LM head")
+        if prof.head_tokens:
+            a.plot(prof.head_tokens, [s * 1e3 for s in prof.head_seconds], marker=".", label="LM head alone")
+            a.legend()
         a.set(xlabel="tokens in the verify forward", ylabel="ms (median of 5, monotone)", xscale="log",
               title="verify cost")
         b.plot(prof.tokens, [n / s for n, s in zip(prof.tokens, prof.seconds)], marker="o")

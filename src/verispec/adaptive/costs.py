@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT = "verispec-cost-profile/2"  # 2: repeats round the grid, true token counts
+FORMAT = "verispec-cost-profile/3"  # 2: repeats round the grid, true token counts; 3: the LM head alone
 CONTEXT = 256  # committed rows the dummy forwards attend to
 REPEATS = 5
 
@@ -60,29 +60,47 @@ def monotone(values: list[float]) -> list[float]:
 @dataclass
 class CostProfile:
     tokens: list[int]  # grid of step sizes (tokens verified in one forward)
-    seconds: list[float]  # verify cost at each grid point, monotone
+    seconds: list[float]  # verify cost at each grid point (the forward with its LM head on every row), monotone
     key: dict = field(default_factory=dict)  # what it was measured for
+    head_tokens: list[int] = field(default_factory=list)  # rows given to the LM head alone
+    head_seconds: list[float] = field(default_factory=list)  # its cost at each, monotone (empty: not measured)
 
     def verify_cost(self, num_tokens: int) -> float:
         """Seconds for one target forward over num_tokens tokens (linear between grid points,
         linear extrapolation past the last)."""
-        t, s = self.tokens, self.seconds
-        if num_tokens <= t[0]:
-            return s[0]
-        for i in range(1, len(t)):
-            if num_tokens <= t[i]:
-                return s[i - 1] + (s[i] - s[i - 1]) * (num_tokens - t[i - 1]) / (t[i] - t[i - 1])
-        slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
-        return s[-1] + slope * (num_tokens - t[-1])
+        return _interpolate(self.tokens, self.seconds, num_tokens)
+
+    def head_cost(self, rows: int) -> float:
+        """Seconds of the LM head over `rows` rows (0 when not measured)."""
+        return _interpolate(self.head_tokens, self.head_seconds, rows) if self.head_tokens else 0.0
+
+    def body_cost(self, num_tokens: int) -> float:
+        """The forward without its LM head: the engine runs the head on the real rows only (a
+        padded row of the verify window needs no logits), so the two are priced apart."""
+        return max(0.0, self.verify_cost(num_tokens) - self.head_cost(num_tokens))
 
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "key": self.key, "tokens": self.tokens, "seconds": self.seconds}
+        return {"format": FORMAT, "key": self.key, "tokens": self.tokens, "seconds": self.seconds,
+                "head_tokens": self.head_tokens, "head_seconds": self.head_seconds}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
-        if d.get("format") != FORMAT or len(d.get("tokens", [])) != len(d.get("seconds", [])) or not d["tokens"]:
+        if d.get("format") != FORMAT or len(d.get("tokens", [])) != len(d.get("seconds", [])) or not d["tokens"] \
+                or len(d.get("head_tokens", [])) != len(d.get("head_seconds", [])):
             raise ValueError("not a verispec cost profile")
-        return cls(list(d["tokens"]), monotone([float(x) for x in d["seconds"]]), d.get("key", {}))
+        return cls(list(d["tokens"]), monotone([float(x) for x in d["seconds"]]), d.get("key", {}),
+                   list(d.get("head_tokens", [])), monotone([float(x) for x in d.get("head_seconds", [])]))
+
+
+def _interpolate(t: list[int], s: list[float], n: int) -> float:
+    """s at n: linear between grid points t, linear extrapolation past the last."""
+    if n <= t[0]:
+        return s[0]
+    for i in range(1, len(t)):
+        if n <= t[i]:
+            return s[i - 1] + (s[i] - s[i - 1]) * (n - t[i - 1]) / (t[i] - t[i - 1])
+    slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
+    return s[-1] + slope * (n - t[-1])
 
 
 def profile_key(model) -> dict:
@@ -113,7 +131,8 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
     """Time dummy verify forwards over the token grid: a grid point of n tokens is min(n, max_batch)
     rows of ceil(n / rows) tokens (what a decode step looks like; the profile records the tokens
     that forward really carries) at a synthetic context of CONTEXT rows, in the numerics the engine
-    decodes with (batch-invariant kernels for bf16/fp16: their cost differs). The repeats go round
+    decodes with (batch-invariant kernels for bf16/fp16: their cost differs), and the LM head alone
+    over as many rows (the engine gives it a step's real rows only). The repeats go round
     the whole grid, so a burst of other work on the machine lands on one repeat of every point,
     where the median drops it, instead of on every repeat of a few points (which bent the curve)."""
     from ..kv import KV_BLOCK, round_up
@@ -130,6 +149,15 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
     was = getattr(model, "invariant", False)
     model.set_batch_invariant(model.dtype != torch.float32)
 
+    hidden = torch.zeros(max(grid), model.config.hidden_size, dtype=model.dtype, device=model.device)
+
+    def head(n: int) -> float:  # the LM head over n rows, as the engine runs it on a step's real rows
+        t0 = time.perf_counter()
+        model.lm_logits(hidden[:n])
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     def forward(n: int) -> float:
         rows, width = shapes[n]
         ids = torch.zeros(rows, width, dtype=torch.long, device=model.device)
@@ -142,17 +170,20 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
         return time.perf_counter() - t0
 
     for n in grid:  # warm-up
-        forward(n)
+        forward(n), head(n)
     times: dict[int, list[float]] = {n: [] for n in grid}
+    head_times: dict[int, list[float]] = {n: [] for n in grid}
     for _ in range(repeats):
         for n in grid:
             times[n].append(forward(n))
+            head_times[n].append(head(n))
     seconds = [statistics.median(times[n]) for n in grid]
     if progress:
         for n, sec in zip(grid, seconds):
             progress(n, sec)
     model.set_batch_invariant(was)
-    return CostProfile(grid, monotone(seconds))
+    return CostProfile(grid, monotone(seconds), head_tokens=grid,
+                       head_seconds=monotone([statistics.median(head_times[n]) for n in grid]))
 
 
 def load_or_measure(model, max_tokens: int, max_batch: int, progress=None) -> CostProfile:
@@ -206,7 +237,9 @@ class DraftCost:
 
 class StepCost:
     """Seconds of a decode step after drafting (verify forward, LM head, verification, KV commit,
-    output) by the number of tokens its forward carries, as the engine really ran them.
+    output), as the engine really ran them, for a window W at N requests: the body of the forward
+    and the rest of the step by the forward's token count T = N (1 + W), plus the LM head by the
+    rows it is given (the real rows N + the admitted nodes: a padded row needs no logits).
 
     The profile times dummy forwards once; a live step also verifies, compacts the cache and
     emits, at the real context, on a machine whose speed drifts and that other work shares (the
@@ -215,16 +248,23 @@ class StepCost:
     measured minutes before, said 485 / 614 / 834 / 1139 / 1810: off by 1.7x at one end and 1.1x
     at the other, so the planner chose windows for a machine that was not there.
 
-    So every step's time is recorded under its forward's token count T = requests x (1 + window)
-    (the forward pads every request to the window; T, not the batch size, sets what it costs, so
-    a batch of 16 at window 0 tells what a batch of 8 at window 1 costs). A count seen MIN_SEEN
-    times costs the median of its last `window` steps; an unseen one between seen counts is
-    interpolated. Past the largest seen count the estimate is optimistic: the lower of the
-    profile's shape from there and the straight line through the smallest and largest seen counts.
-    A window estimated too dear is never tried, so never corrected (a profile measured while other
-    work ran said 3 tokens cost 1.8x one token, and the planner kept one stream at a window of 1);
-    one estimated too cheap is tried and then known. Below the smallest seen count: the profile's
-    shape, at most that count's cost. With nothing seen, the profile itself.
+    So every step's time, less the profile's LM head cost for the rows it had, is recorded under
+    its T (the forward pads every request to the window; T, not the batch size, sets what the body
+    costs, so a batch of 16 at window 0 tells what a batch of 8 at window 1 costs). The head is
+    priced apart because it is half of a small model's step and grows with the admitted nodes,
+    not with the padding: at 4 requests a window of 3 costs 16 head rows when all four drafted,
+    but 7 when one did. A count seen MIN_SEEN times costs the median of its last `window` steps;
+    an unseen one between seen counts is interpolated; past the largest seen count, the profile's
+    shape from there; below the smallest, the profile's shape, at most that count's cost. With
+    nothing seen, the profile itself.
+
+    An earlier version was optimistic past the largest seen count (the lower of the profile's
+    shape and the straight line through the smallest and largest seen counts), so that a window
+    a distorted profile priced too dear would still be tried. At 64 requests that line priced a
+    window of 1 at well under the 1.8 plain steps it costs, and the tries cost the adaptive policy
+    a quarter of plain decoding's throughput in one sweep (161 against 213 tok/s). The profile is
+    now measured in rounds over the whole grid (`measure`), which keeps a burst of other work from
+    bending its shape, and probe steps (policy.py) verify a window of 1 wherever nothing is chosen.
     """
 
     MIN_SEEN = 2
@@ -232,40 +272,42 @@ class StepCost:
     def __init__(self, profile: CostProfile, window: int = 16):
         self.profile = profile
         self.window = window
-        self.seen: dict[int, deque[float]] = {}  # tokens in the forward -> seconds of recent steps
+        self.seen: dict[int, deque[float]] = {}  # tokens in the forward -> seconds of recent steps, less the head
 
-    def record(self, num_tokens: int, seconds: float) -> None:
-        self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(seconds)
+    def record(self, num_tokens: int, seconds: float, head_rows: int | None = None) -> None:
+        """A step whose forward carried num_tokens tokens and whose LM head had head_rows rows
+        (default: all of them) took `seconds` after drafting."""
+        head = self.profile.head_cost(num_tokens if head_rows is None else head_rows)
+        self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(max(0.0, seconds - head))
 
     def __call__(self, num_tokens: int) -> float:
         return self.table(num_tokens, 0)[0]
 
-    def table(self, num_reqs: int, widest: int) -> list[float]:
+    def table(self, num_reqs: int, widest: int, head_rows: list[int] | None = None) -> list[float]:
         """Seconds for windows 0..widest at this batch size (forwards of num_reqs x (1 + window)
-        tokens), monotone in the window. The medians are taken once per call (once per step)."""
+        tokens, the LM head over head_rows[window] rows, by default all of them), monotone in the
+        window. The medians are taken once per call (once per step)."""
         med = {t: statistics.median(q) for t, q in self.seen.items() if len(q) >= self.MIN_SEEN}
         known = sorted(med)
         out: list[float] = []
         for w in range(widest + 1):
-            out.append(max(self._estimate(num_reqs * (1 + w), known, med), out[-1] if out else 0.0))
+            T = num_reqs * (1 + w)
+            cost = self._estimate(T, known, med) + self.profile.head_cost(T if head_rows is None else head_rows[w])
+            out.append(max(cost, out[-1] if out else 0.0))
         return out
 
     def _estimate(self, num_tokens: int, known: list[int], med: dict[int, float]) -> float:
         below = [t for t in known if t <= num_tokens]
         above = [t for t in known if t >= num_tokens]
-        prof = self.profile.verify_cost
+        prof = self.profile.body_cost
         if below and above:
             lo, hi = below[-1], above[0]
             if lo == hi:
                 return med[lo]
             return med[lo] + (med[hi] - med[lo]) * (num_tokens - lo) / (hi - lo)
-        if below:  # past every seen count
-            lo, hi = known[0], known[-1]
-            shape = med[hi] * prof(num_tokens) / max(prof(hi), 1e-12)
-            if lo == hi:
-                return shape
-            slope = max(0.0, (med[hi] - med[lo]) / (hi - lo))
-            return min(shape, med[hi] + slope * (num_tokens - hi))
+        if below:  # past every seen count: the profile's shape from the largest
+            hi = known[-1]
+            return med[hi] * prof(num_tokens) / max(prof(hi), 1e-12)
         if above:  # below every seen count
             near = above[0]
             return min(med[near], med[near] * prof(num_tokens) / max(prof(near), 1e-12))

@@ -9,12 +9,13 @@ of the N requests emits one token whatever happens).
 The cost side follows this engine's verify forward, which pads every request's window to the
 longest one: a step whose largest admitted draft has W nodes costs
 
-    seconds(W) = draft_seconds + window_cost(W),   window_cost(W) = step_cost(N * (1 + W)),
+    seconds(W) = draft_seconds + window_cost(W),
+    window_cost(W) = body(N * (1 + W)) + head(N + sum over requests of min(W, n_r))
 
-whatever the other requests admit up to W (the policy passes window_cost for the whole batch,
-which may hold requests the planner does not weigh: seeded sampled ones verify all they draft).
-So the planners choose the window W, and every request verifies its best min(W, n) nodes, which
-cost nothing more. (In a packed, unpadded forward the cost would be step_cost(N + B) and the best
+(the LM head runs on the real rows only; the policy passes window_cost for the whole batch, which
+may hold requests the planner does not weigh: seeded sampled ones verify all they draft). So the
+planners choose the window W, and every request verifies its best min(W, n) nodes: the padded
+body costs nothing more, and a node's head row is the same whichever of a request's nodes it is. (In a packed, unpadded forward the cost would be step_cost(N + B) and the best
 allocation vLLM's global top-B over survivals; with padding, the best set for a window W is each
 request's top W, and no other set of the same width yields more.) The expected throughput is
 

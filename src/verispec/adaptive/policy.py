@@ -7,7 +7,7 @@ The engine calls, every decode step:
    nodes that maximise expected tokens per second against the step cost (`StepCost`: the
    measured profile, calibrated by the times of the steps the engine really ran);
 3. `observe(seqs, drafts, verdicts)`: the verifier's verdicts become the estimator's labels, and
-   the time since `admit` the step cost at this forward's token count.
+   the time since `admit` the step cost at this forward's token count and LM head rows.
 
 Planners (planner.py): "greedy" (DSpark's Algorithm 1 over verify windows: current survivals,
 early stop) or "topb" (no early stop: the window that was best by the previous step's survivals,
@@ -48,7 +48,7 @@ class AdaptiveDraftLength:
         self.estimator = AcceptanceEstimator(max_depth, refit_every)
         self.draft_cost = DraftCost()
         self._step_cost: StepCost | None = None
-        self._verify_started: tuple[int, int, float] | None = None  # (num_reqs, window, perf_counter) of this step
+        self._verify_started: tuple[int, int, int, float] | None = None  # (num_reqs, window, head rows, perf_counter)
         self.steps = 0
         self.width = None  # the window chosen last step (None: no step yet)
         self._probe = False  # this step is a probe (budgets): it verifies at least one node per draft
@@ -98,14 +98,19 @@ class AdaptiveDraftLength:
         self.last_drafted = sum(len(d.tokens) for d in drafts)
         if not self.last_drafted:  # nothing to plan; the window stays as it was
             self.last_admitted = 0
-            self._verify_started = (len(seqs), 0, time.perf_counter())
+            self._verify_started = (len(seqs), 0, len(seqs), time.perf_counter())
             return drafts
         self.draft_cost.record(len(seqs), draft_seconds)
         conf = [self.estimator.predict(d.features, d.depths()) for d in drafts]
         surv = [ranked_survival(c, d.parents) for c, d in zip(conf, drafts)]
         n, dsec = len(seqs), self.draft_cost(len(seqs))
-        cost = self.step_cost.table(n, max(len(d.tokens) for d in drafts)).__getitem__  # seconds by window
         pins = [pinned(s) for s in seqs]
+        widest = max(len(d.tokens) for d in drafts)
+        # LM head rows at each window: every request's root, a free draft's first min(W, n) nodes, a pinned one's all
+        pinned_rows = sum(len(d.tokens) for d, p in zip(drafts, pins) if p)
+        head_rows = [n + pinned_rows + sum(min(W, len(d.tokens)) for d, p in zip(drafts, pins) if not p)
+                     for W in range(widest + 1)]
+        cost = self.step_cost.table(n, widest, head_rows).__getitem__  # seconds by window
         free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
         if self.planner == "greedy":
             width = plan_greedy(free, dsec, cost)
@@ -124,13 +129,13 @@ class AdaptiveDraftLength:
             out.append(d.select(k))
             self._pending[s.id] = [c[i] for i in k]
         self.last_admitted = sum(len(d.tokens) for d in out)
-        self._verify_started = (n, max(len(d.tokens) for d in out), time.perf_counter())
+        self._verify_started = (n, max(len(d.tokens) for d in out), n + self.last_admitted, time.perf_counter())
         return out
 
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
-        if self._verify_started is not None:  # the step's time after drafting, by forward size
-            n, width, t0 = self._verify_started
-            self.step_cost.record(n * (1 + width), time.perf_counter() - t0)
+        if self._verify_started is not None:  # the step's time after drafting, by forward size and head rows
+            n, width, rows, t0 = self._verify_started
+            self.step_cost.record(n * (1 + width), time.perf_counter() - t0, rows)
             self._verify_started = None
         for s, d, v in zip(seqs, drafts, verdicts):
             conf = self._pending.pop(s.id, [])

@@ -2,6 +2,8 @@
 
 - `bf16_gemm.c`: the decode-sized bf16 matmul behind prepacked weights (models/prepack.py), in
   AVX512-BF16, AVX512 or AVX2 + FMA instructions, whichever `-march=native` offers (`isa()`);
+- `int8_gemm.c`: the decode-sized matmul behind weight-only int8 (models/quant.py), bf16 activations,
+  AVX512 or AVX2 + FMA (the same bits on either);
 - `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference);
 - `rope.c`: rotary embedding of bf16 q / k heads in one call, written as [B, heads, T, hd];
 - `attention.c`: bf16 attention with each query row on its own (models/layers.py
@@ -41,6 +43,11 @@ _WHY_NOT: list[str] = []
 def bf16_gemm():
     """The compiled `verispec_bf16_gemm` (bf16_gemm.c), or None (see `why_not`)."""
     return _function("verispec_bf16_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
+
+
+def int8_gemm():
+    """The compiled `verispec_int8_gemm` (int8_gemm.c), or None (see `why_not`)."""
+    return _function("verispec_int8_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
 
 
 def rms_norm():
@@ -157,6 +164,28 @@ def run_bf16_gemm(fn, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     y = torch.empty(M, N, dtype=torch.bfloat16)
     fn(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
        M, N, K, torch.get_num_threads())
+    return y
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in the kernel's layout [ceil(N/64), K, 64], zero rows padding N up to a
+    whole group."""
+    N, K = q.shape
+    groups = -(-N // GROUP_ROWS)
+    w = torch.nn.functional.pad(q.detach(), (0, 0, 0, groups * GROUP_ROWS - N))
+    return w.view(groups, GROUP_ROWS, K).transpose(1, 2).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, N: int) -> torch.Tensor:
+    """The codes [N, K] back from `pack_int8`'s layout."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:N]
+
+
+def run_int8_gemm(fn, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, N: int) -> torch.Tensor:
+    """x [M, K] bf16 contiguous @ (codes * scale[n]).T -> [M, N] bf16; scale bf16 [N]."""
+    M, K = x.shape
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    fn(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads())
     return y
 
 

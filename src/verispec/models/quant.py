@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import kernels
+
 from ..options import QUANT_MODES  # ("none", "int8", "int4"), defined where the CLI (no torch) reads it
 INT4_GROUP = 32  # input columns per int4 scale/zero pair
 INT4_N_MULTIPLE = 16  # the int4 CPU kernel packs output rows in tiles of 16
@@ -77,11 +79,17 @@ class PackedWeight:
         self.dtype, self.device = weight.dtype, weight.device
         w = weight.detach().float()  # [N, K]
         N, K = w.shape
+        self.native = None  # verispec's int8 kernel (kernels/int8_gemm.c), for bf16 on CPU where it builds
         if mode == "int8":
             scale = (w.abs().amax(1) / 127).clamp(min=1e-12).to(self.dtype)  # [N], rounded as the kernel reads it
             self.q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
             self.scale = scale
             self.kernel = self.device.type == "cpu" and self.dtype != torch.float16
+            if self.kernel and self.dtype == torch.bfloat16:
+                self.native = kernels.int8_gemm()
+                if self.native is not None:
+                    self.packed = kernels.pack_int8(self.q)
+                    del self.q  # the packed copy holds the codes (`codes`)
         else:
             if K % group_size:
                 raise ValueError(f"int4 needs the input width ({K}) to be a multiple of the group size {group_size}")
@@ -101,7 +109,7 @@ class PackedWeight:
         """The weight as the model runs it, [N, K] in the model dtype (for tests and reference
         forwards; a packed int4 weight is read back through its kernel, rounded to the model dtype)."""
         if self.mode == "int8":
-            return (self.q.float() * self.scale.float()[:, None]).to(self.dtype)
+            return (self.codes().float() * self.scale.float()[:, None]).to(self.dtype)
         N, K = self.shape
         if getattr(self, "q", None) is None:  # the codes were packed away: x = I gives W.T
             eye = torch.eye(K, dtype=self.dtype, device=self.device)
@@ -111,6 +119,10 @@ class PackedWeight:
         w = (q - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
         return w.reshape(N, K).to(self.dtype)
 
+    def codes(self) -> torch.Tensor:
+        """int8 codes [N, K]."""
+        return kernels.unpack_int8(self.packed, self.shape[0]) if self.native is not None else self.q
+
     def mm(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [M, K] -> x @ W.T [M, N]; rows independent of M on the kernel path."""
         if self.dense is not None:
@@ -118,6 +130,9 @@ class PackedWeight:
 
             return linear(x, self.dense, None, invariant)
         if self.mode == "int8":
+            if self.native is not None:
+                return kernels.run_int8_gemm(self.native, x.to(torch.bfloat16).contiguous(), self.packed, self.scale,
+                                             self.shape[0])
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
@@ -127,7 +142,7 @@ class PackedWeight:
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
         if self.mode == "int8":
-            return self.q.numel() + self.scale.numel() * self.scale.element_size()
+            return self.shape[0] * self.shape[1] + self.scale.numel() * self.scale.element_size()
         return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
 
