@@ -32,9 +32,10 @@ PLANNERS = ("greedy", "topb")
 class AdaptiveDraftLength:
     # While nothing pays, probe steps verify one token per request whatever the planner says
     # (otherwise a policy that starts, or lands, where its estimates say nothing pays would never
-    # see a verdict again): the first 8 steps after the last verified window, then 16, 32, ... up
-    # to 256 apart, so probing costs little where speculation really does not pay (at 64 requests
-    # a probe step costs about 1.8 plain steps). A dear drafter drafts only on those steps.
+    # see a verdict again). The interval from the last verified window to a probe starts at 8 and
+    # doubles with every probe, up to 256, over the policy's life: probing costs little where
+    # speculation really does not pay (at 64 requests a probe step costs about 1.8 plain steps),
+    # and where it does the planner verifies windows itself. A dear drafter drafts only on probes.
     PROBE_EVERY = 8
     PROBE_MAX = 256
     CHEAP_DRAFT = 0.05  # drafting under 5% of a plain step's time: always draft the full k
@@ -82,9 +83,8 @@ class AdaptiveDraftLength:
         if self._probe:
             self._next_probe = self.steps + self._probe_every
             self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
-        elif self.width:
-            self._probe_every = self.PROBE_EVERY
-            self._next_probe = self.steps + self.PROBE_EVERY
+        elif self.width:  # a verified window gave verdicts: the next probe is an interval from here
+            self._next_probe = self.steps + self._probe_every
         n = len(seqs)
         cheap = self.draft_cost(n) <= self.CHEAP_DRAFT * self.step_cost.table(n, 0)[0]
         if self.width is None or self._probe or cheap:

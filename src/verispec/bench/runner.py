@@ -8,6 +8,7 @@ per prompt and round (metrics.py).
 
 from __future__ import annotations
 
+import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -246,9 +247,10 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
     points = []
     for c in concurrency:
         for spec in drafters:
-            reps = sorted(runs[(spec, c)], key=lambda x: x[0])
-            seconds, rows, tau = reps[len(reps) // 2]  # the median round (the slower middle one of an even count)
+            reps = runs[(spec, c)]
+            seconds = statistics.median(s for s, _, _ in reps)  # the median round's time, as the server sweep's
+            _, rows, tau = min(reps, key=lambda x: abs(x[0] - seconds))  # the requests of a round nearest to it
             points.append(SweepPoint(f"{spec}{tag}" if spec else f"plain{tag}", c, len(rows),
                                      sum(x["tokens"] for x in rows), seconds, rows, tau,
-                                     [sum(x["tokens"] for x in rs) / s for s, rs, _ in runs[(spec, c)]]))
+                                     [sum(x["tokens"] for x in rs) / s for s, rs, _ in reps]))
     return points
