@@ -281,6 +281,16 @@ def test_step_cost_prices_the_lm_head_by_the_rows_it_is_given():
     assert d.head_tokens == [1, 4, 16] and d.head_seconds == [0.5, 1.0, 4.0]
 
 
+def test_step_cost_at_a_seen_batch_size_and_window_is_what_those_steps_cost():
+    """16 tokens as 4 requests at window 3 and as 2 at window 7 cost what each really cost; 8
+    requests at window 1 (never seen) read the token count's median over both."""
+    sc = C.StepCost(CostProfile([1, 64], [1.0, 64.0]))
+    for _ in range(2):
+        sc.record(16, 3.0, num_reqs=4), sc.record(16, 5.0, num_reqs=2)
+    assert sc.table(4, 3)[3] == pytest.approx(3.0) and sc.table(2, 7)[7] == pytest.approx(5.0)
+    assert sc.table(8, 1)[1] == pytest.approx(4.0)
+
+
 def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
     target = ours_from_hf(build_hf("llama", seed=0))
     policy = AdaptiveDraftLength(STEEP, max_depth=6)

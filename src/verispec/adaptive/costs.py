@@ -253,7 +253,10 @@ class StepCost:
     costs, so a batch of 16 at window 0 tells what a batch of 8 at window 1 costs). The head is
     priced apart because it is half of a small model's step and grows with the admitted nodes,
     not with the padding: at 4 requests a window of 3 costs 16 head rows when all four drafted,
-    but 7 when one did. A count seen MIN_SEEN times costs the median of its last `window` steps;
+    but 7 when one did. A window seen MIN_SEEN times at this very batch size costs the median of
+    its last `window` steps there: the rest of a step (verification, cache, output) grows with the
+    requests, not with T, and at 4 requests windows of 1 to 3 cost what no other batch size says.
+    Otherwise a token count seen MIN_SEEN times costs the median of its last `window` steps;
     an unseen one between seen counts is interpolated; past the largest seen count, the profile's
     shape from there; below the smallest, the profile's shape, at most that count's cost. With
     nothing seen, the profile itself.
@@ -273,12 +276,15 @@ class StepCost:
         self.profile = profile
         self.window = window
         self.seen: dict[int, deque[float]] = {}  # tokens in the forward -> seconds of recent steps, less the head
+        self.seen_at: dict[tuple[int, int], deque[float]] = {}  # (requests, window) -> the same
 
-    def record(self, num_tokens: int, seconds: float, head_rows: int | None = None) -> None:
-        """A step whose forward carried num_tokens tokens and whose LM head had head_rows rows
-        (default: all of them) took `seconds` after drafting."""
-        head = self.profile.head_cost(num_tokens if head_rows is None else head_rows)
-        self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(max(0.0, seconds - head))
+    def record(self, num_tokens: int, seconds: float, head_rows: int | None = None, num_reqs: int | None = None) -> None:
+        """A step whose forward carried num_tokens tokens (num_reqs requests at one window) and
+        whose LM head had head_rows rows (default: all of them) took `seconds` after drafting."""
+        body = max(0.0, seconds - self.profile.head_cost(num_tokens if head_rows is None else head_rows))
+        self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(body)
+        if num_reqs:
+            self.seen_at.setdefault((num_reqs, num_tokens // num_reqs - 1), deque(maxlen=self.window)).append(body)
 
     def __call__(self, num_tokens: int) -> float:
         return self.table(num_tokens, 0)[0]
@@ -292,7 +298,9 @@ class StepCost:
         out: list[float] = []
         for w in range(widest + 1):
             T = num_reqs * (1 + w)
-            cost = self._estimate(T, known, med) + self.profile.head_cost(T if head_rows is None else head_rows[w])
+            at = self.seen_at.get((num_reqs, w))
+            body = statistics.median(at) if at is not None and len(at) >= self.MIN_SEEN else self._estimate(T, known, med)
+            cost = body + self.profile.head_cost(T if head_rows is None else head_rows[w])
             out.append(max(cost, out[-1] if out else 0.0))
         return out
 

@@ -135,7 +135,7 @@ class AdaptiveDraftLength:
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         if self._verify_started is not None:  # the step's time after drafting, by forward size and head rows
             n, width, rows, t0 = self._verify_started
-            self.step_cost.record(n * (1 + width), time.perf_counter() - t0, rows)
+            self.step_cost.record(n * (1 + width), time.perf_counter() - t0, rows, n)
             self._verify_started = None
         for s, d, v in zip(seqs, drafts, verdicts):
             conf = self._pending.pop(s.id, [])
