@@ -36,6 +36,12 @@ def one_round(model, tok, prompts, batch: int, tokens: int, drafter: str | None)
                        max_batch_size=batch, max_model_len=1024, prefill_chunk=4096)
     dr = make_drafter(drafter, model, batch, 1024 + 8, model.dtype, model.device) if drafter else None
     eng = Engine(model, tok, cfg, dr)
+    # a warm-up batch first: as in a server, the slots then come back in the order a finished batch
+    # freed them (not consecutive), which is what a decode step normally attends over
+    for i in range(batch):
+        eng.add_request(prompts[i % len(prompts)][:16], SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_work:
+        eng.step()
     seqs = [eng.add_request(prompts[i % len(prompts)],
                             SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)) for i in range(batch)]
     t = time.perf_counter()
