@@ -8,8 +8,8 @@ then prefills `batch` requests (2 MT-Bench + 2 HumanEval prompts, repeated), and
 greedy decode steps; it prints the median step. `--profile` adds the torch profiler's top
 operators over 10 more steps. For A/B runs of two checkouts on one machine
 (`PYTHONPATH=<other checkout>/src python benchmarks/batched_step.py ...`), back to back; compare
-ratios, not absolute numbers. Session 16 measured 259 -> 105 ms at 16 requests with it (the
-KV-slot gathers and the one-hot greedy verification it found are in BENCHMARKS.md).
+ratios, not absolute numbers. Session 16, 16 requests: 125 / 140 ms before the KV slots were read
+in place and greedy verdicts came from one argmax, 88 / 103 ms after (BENCHMARKS.md).
 """
 
 from __future__ import annotations
