@@ -86,9 +86,8 @@ class AdaptiveDraftLength:
         elif self.width:  # a verified window gave verdicts: the next probe is an interval from here
             self._next_probe = self.steps + self._probe_every
         n = len(seqs)
-        cheap = self.draft_cost(n) <= self.CHEAP_DRAFT * self.step_cost.table(n, 0)[0]
-        if self.width is None or self._probe or cheap:
-            adaptive_cap = cap
+        if self.width is None or self._probe or self.draft_cost(n) <= self.CHEAP_DRAFT * self.step_cost(n):
+            adaptive_cap = cap  # (the step cost, medians over every seen count, is read only when it decides)
         else:
             adaptive_cap = min(cap, self.width + 2) if self.width else 0
         return [max(0, min(s.num_draft_tokens, cap if pinned(s) else adaptive_cap, s.params.max_tokens - s.num_output - 1))
