@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import random
 
 import pytest
@@ -66,6 +67,47 @@ def test_estimator_starts_near_uniform_and_intercepts_alone_learn_depth():
         est.observe(None, depths, labels, [0.5] * len(depths))
         est.end_step()
     assert est.predict(None, [1, 2, 3]) == pytest.approx(truth, abs=0.04)
+
+
+def test_separable_windows_move_the_fit_in_bounds_and_it_comes_back():
+    """A window of long n-gram matches, all accepted where the fit says 1%, then one all rejected:
+    a bare Newton step divides by curvature ~0 (an intercept went -5 -> +20 -> -61000)."""
+    est = AcceptanceEstimator(max_depth=2, refit_every=1)
+    est.w, est.b = torch.tensor([1.0], dtype=torch.float64), torch.tensor([-5.0, -5.0], dtype=torch.float64)
+    before = est.coefficients()
+    est.observe([[0.5]] * 64, [1] * 64, [1] * 64, [0.01] * 64)
+    est.end_step()
+    after = est.coefficients()
+    assert after["intercepts"][0] - before["intercepts"][0] == pytest.approx(3.0)  # moved up, by MAX_STEP at most
+    assert after["intercepts"][1] == before["intercepts"][1]  # no data at depth 2: it holds still
+    for _ in range(10):  # all accepted again and again: bounded, still a probability below 1
+        est.observe([[0.5]] * 64, [1] * 64, [1] * 64, [0.5] * 64)
+        est.end_step()
+    co = est.coefficients()
+    assert max(abs(b) for b in co["intercepts"]) <= 8.0 and 0.0 <= co["slope"][0] <= 8.0
+    assert est.predict([[0.5]], [1])[0] > 0.99
+    for _ in range(3):  # then all rejected: it turns round, in steps
+        est.observe([[0.5]] * 64, [1] * 64, [0] * 64, [0.99] * 64)
+        est.end_step()
+    assert est.predict([[0.5]], [1])[0] < 0.5
+    rng = random.Random(3)
+    for _ in range(20):  # and recovers the truth from ordinary data
+        f = [rng.gauss(0, 1) for _ in range(1000)]
+        y = [int(rng.random() < 1 / (1 + math.exp(-(0.8 * x + 0.5)))) for x in f]
+        est.observe([[x] for x in f], [1] * 1000, y, [0.5] * 1000)
+        est.end_step()
+    co = est.coefficients()
+    assert co["slope"][0] == pytest.approx(0.8, abs=0.15) and co["intercepts"][0] == pytest.approx(0.5, abs=0.15)
+
+
+def test_predict_many_is_predict_per_draft():
+    est = AcceptanceEstimator(max_depth=3)
+    est.w, est.b = torch.tensor([0.7, -0.2], dtype=torch.float64), torch.tensor([1.0, 0.0, -1.0], dtype=torch.float64)
+    feats = [[[0.1, 2.0], [1.5, 0.0]], None, [[3.0, 1.0]], [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]]
+    depths = [[1, 2], [], [1], [1, 2, 3]]
+    assert est.predict_many(feats, depths) == [est.predict(f, d) for f, d in zip(feats, depths)]
+    no_feats = AcceptanceEstimator(max_depth=3)
+    assert no_feats.predict_many([None, None], [[1, 2], [1]]) == [no_feats.predict(None, [1, 2]), no_feats.predict(None, [1])]
 
 
 def test_first_refits_come_after_32_64_128_observations_then_every_512():
@@ -201,6 +243,36 @@ def test_greedy_admission_never_depends_on_a_node_or_what_was_drawn_after_it():
     flat = by_window(sure, flat)
     assert best_width(sure, 0.0, flat) == 5 and best_width(unsure, 0.0, flat) == 0
     assert plan_greedy(sure, 0.0, flat) == plan_greedy(unsure, 0.0, flat) == 0
+
+
+@pytest.mark.parametrize("planner", ["greedy", "topb"])
+@pytest.mark.parametrize("case", ["greedy request", "deterministic draft", "sampled draft"])
+def test_policy_takes_the_best_window_now_when_nothing_was_drawn_at_random(planner, case):
+    """The counterexample's shape in the policy: a window of 1 does not pay, one of 5 does. Where no
+    admission rule can change the output (a greedy request, a deterministic draft), both planners
+    take the best window by this step's survivals; a draft drawn at random for a sampled request
+    keeps the early stop (greedy) or last step's window (topb: the same survivals each step)."""
+    from verispec.sequence import Sequence
+
+    policy = AdaptiveDraftLength(CostProfile([1, 2, 6], [1.0, 1.5, 1.5]), planner, max_depth=5)
+    policy.step_cost.record = lambda *a, **kw: None
+    policy.estimator.b = torch.tensor([logit_(0.4), 8.0, 8.0, 8.0, 8.0], dtype=torch.float64)
+    params = SamplingParams(max_tokens=64) if case == "greedy request" else SamplingParams(max_tokens=64, temperature=1.0)
+    seq = Sequence(0, [1, 2, 3], params, torch.Generator())
+    q = None if case != "sampled draft" else torch.full((5, 8), 1 / 8)
+    for step in range(2):
+        policy.budgets([seq], 5)
+        out = policy.admit([seq], [Draft([4, 5, 6, 7, 1], q=q)], 0.0)
+        width = len(out[0].tokens)
+        if case == "sampled draft" and planner == "greedy":
+            assert width == step  # the early stop at 0, then a probe step's 1
+        else:
+            assert width == 5, (case, planner, step)
+        policy.observe([seq], out, [Verdict([4], 0, [])])
+
+
+def logit_(p):
+    return math.log(p) - math.log1p(-p)
 
 
 # ---- cost profile -----------------------------------------------------------------------------

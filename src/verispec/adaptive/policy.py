@@ -11,7 +11,10 @@ The engine calls, every decode step:
 
 Planners (planner.py): "greedy" (DSpark's Algorithm 1 over verify windows: current survivals,
 early stop) or "topb" (no early stop: the window that was best by the previous step's survivals,
-its slots filled by the current ones, as vLLM sizes its global top-B budget).
+its slots filled by the current ones, as vLLM sizes its global top-B budget). Both serve sampled
+requests with drafts drawn at random; a step where nothing was (every request greedy, or every
+draft deterministic: the n-gram lookup) takes the best window by the current survivals, since
+then no admission rule can change the output.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class AdaptiveDraftLength:
             self._verify_started = (len(seqs), 0, len(seqs), time.perf_counter())
             return drafts
         self.draft_cost.record(len(seqs), draft_seconds)
-        conf = [self.estimator.predict(d.features, d.depths()) for d in drafts]
+        conf = self.estimator.predict_many([d.features for d in drafts], [d.depths() for d in drafts])
         surv = [ranked_survival(c, d.parents) for c, d in zip(conf, drafts)]
         n, dsec = len(seqs), self.draft_cost(len(seqs))
         pins = [pinned(s) for s in seqs]
@@ -111,7 +114,11 @@ class AdaptiveDraftLength:
                      for W in range(widest + 1)]
         cost = self.step_cost.table(n, widest, head_rows).__getitem__  # seconds by window
         free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
-        if self.planner == "greedy":
+        if all(s.params.greedy or d.q is None for s, d in zip(seqs, drafts)):
+            # nothing drawn at random (greedy requests, deterministic drafts): any admission rule is
+            # lossless, so the best window by the current survivals (no early stop at a local maximum)
+            width = self._stale_width = best_width(free, dsec, cost)
+        elif self.planner == "greedy":
             width = plan_greedy(free, dsec, cost)
         else:
             best = best_width(free, dsec, cost)
