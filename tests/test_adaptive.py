@@ -25,7 +25,8 @@ from verispec.adaptive import costs as C
 from verispec.adaptive.costs import CostProfile, load_or_measure
 from verispec.adaptive.estimator import AcceptanceEstimator
 from verispec.adaptive.policy import AdaptiveDraftLength
-from verispec.adaptive.planner import best_width, keep, plan_greedy, ranked_survival, throughput
+from verispec.adaptive.planner import (argmax, best_width, budget_throughput, first_peak, keep, keep_best,
+                                      plan_greedy, ranked_survival, throughput)
 from verispec.adaptive.policy import observations
 from verispec.drafters import Draft, ModelDrafter, NgramDrafter
 from verispec.engine import Engine, EngineConfig
@@ -197,6 +198,51 @@ def test_planner_window_is_optimal_by_brute_force(shape):
         assert throughput(surv, draft_s, cost)[W] == pytest.approx(best, rel=1e-12)
 
 
+def test_packed_budget_is_optimal_by_brute_force():
+    """Packed chains: a step's cost depends on how many nodes it verifies, not where they are.
+    The best budget of `budget_throughput`, filled by `keep_best`, is the best admissible set of
+    nodes across the batch, found by trying every combination."""
+    rng = random.Random(9)
+    for case in range(60):
+        R = rng.randint(1, 3)
+        parents = [_random_tree(rng, rng.randint(0, 4)) if rng.random() < 0.3 else None for _ in range(R)]
+        sizes = [len(p) if p is not None else rng.randint(0, 4) for p in parents]
+        surv = [ranked_survival([rng.random() for _ in range(n)], p) for p, n in zip(parents, sizes)]
+        grid = sorted(rng.sample(range(1, 20), 5))
+        prof = CostProfile(grid, C.monotone([rng.uniform(0.01, 0.1) * (1 + g / rng.uniform(2, 10)) for g in grid]))
+        draft_s = rng.uniform(0, 0.05)
+        cost = lambda m: [prof.verify_cost(R + B) for B in range(m + 1)]  # noqa: E731
+        best = max((R + sum(surv[r][i] for r, s in enumerate(combo) for i in s)) / (draft_s + prof.verify_cost(R + sum(map(len, combo))))
+                   for combo in itertools.product(*[_valid_subsets(p, n) for p, n in zip(parents, sizes)]))
+        theta = budget_throughput(surv, draft_s, cost)
+        B = argmax(theta)
+        kept = keep_best(surv, B)
+        for k, p, n in zip(kept, parents, sizes):
+            assert set(k) in _valid_subsets(p, n)
+        assert sum(map(len, kept)) == B
+        assert theta[B] == pytest.approx(best, rel=1e-12), case
+
+
+def test_packed_greedy_admission_never_depends_on_a_node_or_what_was_drawn_after_it():
+    rng = random.Random(12)
+    cost = CostProfile([1, 4, 8, 16, 32], [0.05, 0.06, 0.09, 0.15, 0.3]).verify_cost
+    for _ in range(300):
+        R = rng.randint(1, 3)
+        sizes = [rng.randint(1, 5) for _ in range(R)]
+        conf = [[rng.random() for _ in range(n)] for n in sizes]
+        r = rng.randrange(R)
+        i = rng.randrange(sizes[r])
+        changed = [list(c) for c in conf]
+        for j in range(i + 1, sizes[r]):  # a chain's descendants: the later positions
+            changed[r][j] = rng.random()
+        admitted = []
+        for cc in (conf, changed):
+            surv = [ranked_survival(c, None) for c in cc]
+            theta = budget_throughput(surv, 0.0, lambda m: [cost(R + B) for B in range(m + 1)])
+            admitted.append(i in keep_best(surv, first_peak(theta))[r])
+        assert admitted[0] == admitted[1]
+
+
 def test_greedy_planner_equals_the_optimum_when_cost_is_affine():
     rng = random.Random(3)
     for _ in range(200):
@@ -269,6 +315,29 @@ def test_policy_takes_the_best_window_now_when_nothing_was_drawn_at_random(plann
         else:
             assert width == 5, (case, planner, step)
         policy.observe([seq], out, [Verdict([4], 0, [])])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_chains_verify_the_batchs_best_nodes_wherever_they_are(packed):
+    """Two requests, one confident draft and one hopeless: packed, the step verifies the confident
+    request's nodes alone and pays for 2 + 2 tokens; padded, a window of 2 would cost 2 x 3 tokens
+    (steep past 4), so it takes a window of 1, the hopeless request's first node in it too."""
+    from verispec.sequence import Sequence
+
+    policy = AdaptiveDraftLength(CostProfile([1, 2, 3, 4, 6], [1.0, 1.1, 1.2, 1.3, 9.0]), max_depth=2)
+    policy.packed_chains = packed
+    policy.step_cost.record = lambda *a, **kw: None
+    policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator()) for i in range(2)]
+    policy.budgets(seqs, 2)
+    sure, hopeless = Draft([4, 5], features=[[8.0], [8.0]]), Draft([6, 7], features=[[-8.0], [-8.0]])
+    out = policy.admit(seqs, [sure, hopeless], 0.0)
+    if packed:
+        assert [d.tokens for d in out] == [[4, 5], []]
+        assert policy._verify_started[1:3] == (4, 4)  # forward tokens, LM head rows
+    else:
+        assert [d.tokens for d in out] == [[4], [6]]
+        assert policy._verify_started[1:3] == (4, 4)
 
 
 def logit_(p):
@@ -367,11 +436,21 @@ def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
     target = ours_from_hf(build_hf("llama", seed=0))
     policy = AdaptiveDraftLength(STEEP, max_depth=6)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    forwards = []  # (requests, tokens the packed forward carries) per decode step
+    admit = policy.admit
+
+    def spy(seqs, drafts, draft_seconds):
+        out = admit(seqs, drafts, draft_seconds)
+        forwards.append((len(seqs), len(seqs) + sum(len(d.tokens) for d in out)))
+        return out
+
+    policy.admit = spy
     _, seqs, eng = _run(target, NgramDrafter(), policy, [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], sp, k=4)
     decode_steps = max(s.stats.forwards for s in seqs)
     seen = policy.step_cost.seen
-    assert sum(len(q) for q in seen.values()) == decode_steps
-    assert set(seen) <= {n * (1 + w) for n in (1, 2) for w in range(5)}
+    assert sum(len(q) for q in seen.values()) == decode_steps == len(forwards)
+    assert sorted(t for t, q in seen.items() for _ in q) == sorted(t for _, t in forwards)
+    assert sorted(k for k, q in policy.step_cost.seen_at.items() for _ in q) == sorted(forwards)
     assert all(t > 0 for q in seen.values() for t in q)
 
 

@@ -109,6 +109,34 @@ def test_exact_mode_equals_plain_in_bf16():
     assert spec == plain
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_packed_and_padded_chains_equal_plain_in_bf16(packed):
+    """Chains verify packed on the CPU (one entry per node, no padding to the longest window) and
+    padded elsewhere; both give plain decoding's tokens and its logits' bits, with requests of
+    different draft lengths side by side (k = 7, 0, 1, 3 per request, n-gram drafts of any length)."""
+    hf = build_hf("gemma3")
+    target = ours_from_hf(hf).to(torch.bfloat16)
+    prompts = prompts_for(hf.config.vocab_size, lengths=(5, 11, 3, 17))
+
+    def decode(drafter, ks):
+        cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=7, dtype="bfloat16",
+                           max_batch_size=4, max_model_len=96)
+        eng = Engine(target, None, cfg, drafter(target, 4, 96 + 8) if drafter else None)
+        eng.packs_chains = packed
+        sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=0)
+        seqs = [eng.add_request(p, sp, k) for p, k in zip(prompts, ks)]
+        while eng.has_work:
+            eng.step()
+        return seqs
+
+    plain = decode(None, [None] * 4)
+    for name in ("self-draft", "ngram"):
+        spec = decode(DRAFTERS[name], [7, 0, 1, 3])
+        assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+        assert [[lp for _, lp, _ in s.logprobs] for s in spec] == [[lp for _, lp, _ in s.logprobs] for s in plain]
+        assert sum(s.stats.accepted for s in spec) > 0
+
+
 def test_exact_mode_cannot_drop_batch_invariance():
     with pytest.raises(ValueError, match="exact mode is batch-invariant"):
         EngineConfig(exact=True, batch_invariant=False)

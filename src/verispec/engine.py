@@ -25,7 +25,7 @@ import torch
 
 from .drafters import Draft, Drafter, TreeShape, make_drafter
 from .kv import KV_BLOCK, CacheFullError, KVCache, round_up
-from .models import DEFAULT_MODEL, CausalLM, load_model, load_tokenizer
+from .models import DEFAULT_MODEL, CausalLM, ForwardOutput, load_model, load_tokenizer
 from .models.paths import PathViews
 from .options import MAX_DRAFT_TOKENS, QUANT_MODES
 from .policy import DraftLengthPolicy, FixedDraftLength
@@ -127,6 +127,10 @@ class Engine:
         self.drafter = drafter
         self.policy = policy or make_policy(config, model, drafter)
         self.tree = TreeShape.parse(config.draft_tree)
+        # chains verify packed, one entry per node, where attention reads the cache in place (CPU)
+        self.packs_chains = model.device.type == "cpu"
+        if hasattr(self.policy, "packed_chains"):
+            self.policy.packed_chains = self.packs_chains  # what a window costs depends on it
         # Forwards are batch-invariant whenever that is (nearly) free — bf16/fp16 on CPU: GEMM rows
         # in blocks of at most 64 (rows that do not depend on the row count), attention over a key
         # length rounded up to the CPU kernel's 512-key block — so a token's bits do not depend on
@@ -210,20 +214,13 @@ class Engine:
         drafts = self._propose(seqs, self.policy.budgets(seqs, self.config.num_draft_tokens))  # KV slack is sized for it
         drafts = self.policy.admit(seqs, drafts, time.perf_counter() - t0)
         width = 1 + max(len(d.tokens) for d in drafts)
-        ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
         starts = [self.cache.lengths[s.slot] for s in seqs]
-        depths = [[0] + d.depths() + [0] * (width - 1 - len(d.tokens)) for d in drafts]
-        positions = torch.tensor(starts)[:, None] + torch.tensor(depths)  # [B, width]: a node sits at its depth
         self.model.set_batch_invariant(self.invariant)
         kv_len = round_up(max(starts) + width, KV_BLOCK) if self.invariant else None
-        paths = None
-        if any(d.parents is not None for d in drafts):  # trees: each path attends as plain decoding would
-            parents = [[p + 1 for p in d.parents] if d.parents is not None else list(range(len(d.tokens))) for d in drafts]
-            paths = PathViews.build([s.slot for s in seqs], starts, parents, width,
-                                    kv_len or max(starts) + width, self.model.device)
-        out = self.model(ids.to(self.model.device), self.cache, [s.slot for s in seqs], torch.tensor(starts),
-                         positions=positions.to(self.model.device), taps=self._taps, kv_len=kv_len, paths=paths,
-                         want_logits=False)
+        if self.packs_chains and all(d.parents is None for d in drafts):
+            out = self._chain_forward(seqs, drafts, starts, width, kv_len)
+        else:
+            out = self._window_forward(seqs, drafts, starts, width, kv_len)
         # logits of the real rows only: the LM head is the largest matmul, padding rows need none
         sizes = [1 + len(d.tokens) for d in drafts]
         flat = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)]))  # [sum sizes, V]
@@ -248,6 +245,40 @@ class Engine:
             events.append(self._emit(s, v.tokens, logits[b], rows))
         self.policy.observe(seqs, drafts, verdicts)
         return events
+
+    def _window_forward(self, seqs, drafts, starts, width, kv_len) -> ForwardOutput:
+        """The verify forward as a [B, width] batch: every request's window padded to the longest
+        (trees attend along their paths: each path as plain decoding would)."""
+        dev = self.model.device
+        ids = torch.tensor([[s.tokens[-1]] + d.tokens + [0] * (width - 1 - len(d.tokens)) for s, d in zip(seqs, drafts)])
+        depths = [[0] + d.depths() + [0] * (width - 1 - len(d.tokens)) for d in drafts]
+        positions = torch.tensor(starts)[:, None] + torch.tensor(depths)  # [B, width]: a node sits at its depth
+        paths = None
+        if any(d.parents is not None for d in drafts):
+            parents = [[p + 1 for p in d.parents] if d.parents is not None else list(range(len(d.tokens))) for d in drafts]
+            paths = PathViews.build([s.slot for s in seqs], starts, parents, width, kv_len or max(starts) + width, dev)
+        return self.model(ids.to(dev), self.cache, [s.slot for s in seqs], torch.tensor(starts),
+                          positions=positions.to(dev), taps=self._taps, kv_len=kv_len, paths=paths, want_logits=False)
+
+    def _chain_forward(self, seqs, drafts, starts, width, kv_len) -> ForwardOutput:
+        """The verify forward for chains, packed: one single-token entry per node (the last token,
+        then the draft) at its own cache row and position, so a request's forward carries the
+        nodes it verifies and no padding up to the batch's longest window (16 requests, 8 of them
+        verifying one node: 24 tokens, not 32). Every entry writes its keys before any attends, and
+        its mask is plain decoding's for that row, so a node's bits are what plain decoding would
+        give it. The native attention kernel reads the repeated slots in place; elsewhere attention
+        would gather the cache once per entry, so other devices take the padded window
+        (`packs_chains`). Returns the hidden states as [B, width, H], as the padded forward does."""
+        dev = self.model.device
+        sizes = [1 + len(d.tokens) for d in drafts]
+        ids = torch.tensor([t for s, d in zip(seqs, drafts) for t in (s.tokens[-1], *d.tokens)])[:, None]  # [E, 1]
+        slots = [s.slot for s, n in zip(seqs, sizes) for _ in range(n)]
+        rows = torch.tensor([st + j for st, n in zip(starts, sizes) for j in range(n)])  # [E]: cache row = position
+        out = self.model(ids.to(dev), self.cache, slots, rows, taps=self._taps, kv_len=kv_len, want_logits=False)
+        offsets = itertools.accumulate([0, *sizes[:-1]])
+        index = torch.tensor([[o + min(j, n - 1) for j in range(width)] for o, n in zip(offsets, sizes)], device=dev)
+        # [B, width]: entry of each request's row j (a padding row repeats its last node and is never read)
+        return ForwardOutput(None, {i: h[:, 0][index] for i, h in out.hidden.items()}, out.last_hidden[:, 0][index])
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Drafts for the batch. A drafter that raises is retried request by request; a request

@@ -21,6 +21,7 @@ replace it as they come in.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -237,9 +238,10 @@ class DraftCost:
 
 class StepCost:
     """Seconds of a decode step after drafting (verify forward, LM head, verification, KV commit,
-    output), as the engine really ran them, for a window W at N requests: the body of the forward
-    and the rest of the step by the forward's token count T = N (1 + W), plus the LM head by the
-    rows it is given (the real rows N + the admitted nodes: a padded row needs no logits).
+    output), as the engine really ran them, at N requests: the body of the forward and the rest
+    of the step by the forward's token count T (N + the admitted nodes for packed chains, N (1 + W)
+    for a window W padded), plus the LM head by the rows it is given (the real rows N + the
+    admitted nodes: a padded row needs no logits).
 
     The profile times dummy forwards once; a live step also verifies, compacts the cache and
     emits, at the real context, on a machine whose speed drifts and that other work shares (the
@@ -253,9 +255,9 @@ class StepCost:
     costs, so a batch of 16 at window 0 tells what a batch of 8 at window 1 costs). The head is
     priced apart because it is half of a small model's step and grows with the admitted nodes,
     not with the padding: at 4 requests a window of 3 costs 16 head rows when all four drafted,
-    but 7 when one did. A window seen MIN_SEEN times at this very batch size costs the median of
-    its last `window` steps there: the rest of a step (verification, cache, output) grows with the
-    requests, not with T, and at 4 requests windows of 1 to 3 cost what no other batch size says.
+    but 7 when one did. A token count seen MIN_SEEN times at this very batch size costs the median
+    of its last `window` steps there: the rest of a step (verification, cache, output) grows with
+    the requests, not with T, and at 4 requests windows of 1 to 3 cost what no other batch size says.
     Otherwise a token count seen MIN_SEEN times costs the median of its last `window` steps;
     an unseen one between seen counts is interpolated; past the largest seen count, the profile's
     shape from there; below the smallest, the profile's shape, at most that count's cost. With
@@ -279,44 +281,47 @@ class StepCost:
         self.seen_at: dict[tuple[int, int], deque[float]] = {}  # (requests, window) -> the same
 
     def record(self, num_tokens: int, seconds: float, head_rows: int | None = None, num_reqs: int | None = None) -> None:
-        """A step whose forward carried num_tokens tokens (num_reqs requests at one window) and
-        whose LM head had head_rows rows (default: all of them) took `seconds` after drafting."""
+        """A step of num_reqs requests whose forward carried num_tokens tokens and whose LM head
+        had head_rows rows (default: all of them) took `seconds` after drafting."""
         body = max(0.0, seconds - self.profile.head_cost(num_tokens if head_rows is None else head_rows))
         self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(body)
         if num_reqs:
-            self.seen_at.setdefault((num_reqs, num_tokens // num_reqs - 1), deque(maxlen=self.window)).append(body)
+            self.seen_at.setdefault((num_reqs, num_tokens), deque(maxlen=self.window)).append(body)
 
     def __call__(self, num_tokens: int) -> float:
-        return self.table(num_tokens, 0)[0]
+        return self.costs(num_tokens, [num_tokens])[0]
 
     def table(self, num_reqs: int, widest: int, head_rows: list[int] | None = None) -> list[float]:
-        """Seconds for windows 0..widest at this batch size (forwards of num_reqs x (1 + window)
-        tokens, the LM head over head_rows[window] rows, by default all of them), monotone in the
-        window. The medians are taken once per call (once per step)."""
+        """Seconds for windows 0..widest at this batch size, padded (forwards of num_reqs x
+        (1 + window) tokens, the LM head over head_rows[window] rows, by default all of them)."""
+        return self.costs(num_reqs, [num_reqs * (1 + w) for w in range(widest + 1)], head_rows)
+
+    def costs(self, num_reqs: int, tokens: list[int], head_rows: list[int] | None = None) -> list[float]:
+        """Seconds for steps of num_reqs requests whose forwards carry tokens[i] tokens (rising)
+        and whose LM heads get head_rows[i] rows (default: all of them), monotone in i. The medians
+        are taken once per call (once per step)."""
         med = {t: statistics.median(q) for t, q in self.seen.items() if len(q) >= self.MIN_SEEN}
         known = sorted(med)
         out: list[float] = []
-        for w in range(widest + 1):
-            T = num_reqs * (1 + w)
-            at = self.seen_at.get((num_reqs, w))
+        for i, T in enumerate(tokens):
+            at = self.seen_at.get((num_reqs, T))
             body = statistics.median(at) if at is not None and len(at) >= self.MIN_SEEN else self._estimate(T, known, med)
-            cost = body + self.profile.head_cost(T if head_rows is None else head_rows[w])
+            cost = body + self.profile.head_cost(T if head_rows is None else head_rows[i])
             out.append(max(cost, out[-1] if out else 0.0))
         return out
 
     def _estimate(self, num_tokens: int, known: list[int], med: dict[int, float]) -> float:
-        below = [t for t in known if t <= num_tokens]
-        above = [t for t in known if t >= num_tokens]
         prof = self.profile.body_cost
-        if below and above:
-            lo, hi = below[-1], above[0]
-            if lo == hi:
-                return med[lo]
+        if not known:
+            return prof(num_tokens)
+        j = bisect.bisect_left(known, num_tokens)  # known[j - 1] < num_tokens <= known[j]
+        if j < len(known) and known[j] == num_tokens:
+            return med[num_tokens]
+        if 0 < j < len(known):
+            lo, hi = known[j - 1], known[j]
             return med[lo] + (med[hi] - med[lo]) * (num_tokens - lo) / (hi - lo)
-        if below:  # past every seen count: the profile's shape from the largest
+        if j == len(known):  # past every seen count: the profile's shape from the largest
             hi = known[-1]
             return med[hi] * prof(num_tokens) / max(prof(hi), 1e-12)
-        if above:  # below every seen count
-            near = above[0]
-            return min(med[near], med[near] * prof(num_tokens) / max(prof(near), 1e-12))
-        return prof(num_tokens)
+        near = known[0]  # below every seen count
+        return min(med[near], med[near] * prof(num_tokens) / max(prof(near), 1e-12))

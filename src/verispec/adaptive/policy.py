@@ -9,9 +9,12 @@ The engine calls, every decode step:
 3. `observe(seqs, drafts, verdicts)`: the verifier's verdicts become the estimator's labels, and
    the time since `admit` the step cost at this forward's token count and LM head rows.
 
-Planners (planner.py): "greedy" (DSpark's Algorithm 1 over verify windows: current survivals,
-early stop) or "topb" (no early stop: the window that was best by the previous step's survivals,
-its slots filled by the current ones, as vLLM sizes its global top-B budget). Both serve sampled
+What a plan is depends on the engine's verify forward (planner.py): packed chains (the CPU)
+verify the batch's best B nodes wherever they are, at the cost of N + B tokens; trees, and
+chains where the engine pads, verify every request's best min(W, n) nodes in a window W.
+Planners: "greedy" (DSpark's Algorithm 1: current survivals, early stop) or "topb" (no early stop:
+the budget or window that was best by the previous step's survivals, filled by the current ones,
+as vLLM sizes its global top-B budget). Both serve sampled
 requests with drafts drawn at random; a step where nothing was (every request greedy, or every
 draft deterministic: the n-gram lookup) takes the best window by the current survivals, since
 then no admission rule can change the output.
@@ -27,7 +30,8 @@ from ..sequence import Sequence
 from ..verify import Verdict
 from .costs import CostProfile, DraftCost, StepCost
 from .estimator import AcceptanceEstimator
-from .planner import best_width, keep, plan_greedy, ranked_survival
+from .planner import (argmax, budget_throughput, first_peak, keep, keep_best, ranked_survival, request_order,
+                      throughput)
 
 PLANNERS = ("greedy", "topb")
 
@@ -42,6 +46,7 @@ class AdaptiveDraftLength:
     PROBE_EVERY = 8
     PROBE_MAX = 256
     CHEAP_DRAFT = 0.05  # drafting under 5% of a plain step's time: always draft the full k
+    SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
     def __init__(self, profile: "CostProfile | Callable[[], CostProfile]", planner: str = "greedy",
                  max_depth: int = 64, refit_every: int = 100):
@@ -54,11 +59,12 @@ class AdaptiveDraftLength:
         self._step_cost: StepCost | None = None
         self._verify_started: tuple[int, int, int, float] | None = None  # (num_reqs, window, head rows, perf_counter)
         self.steps = 0
-        self.width = None  # the window chosen last step (None: no step yet)
+        self.width = None  # the window chosen last step; packed: the most nodes one request got (None: no step yet)
         self._probe = False  # this step is a probe (budgets): it verifies at least one node per draft
         self._probe_every = self.PROBE_EVERY
         self._next_probe = 0
-        self._stale_width: int | None = None  # topb: the best window by last step's survivals
+        self._stale: int | None = None  # topb: the best window or budget by last step's survivals
+        self.packed_chains = True  # the engine verifies chains packed (set by the engine: CPU yes, else padded)
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
         self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
         self.last_admitted = 0
@@ -98,15 +104,67 @@ class AdaptiveDraftLength:
 
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
         self.last_drafted = sum(len(d.tokens) for d in drafts)
+        n = len(seqs)
         if not self.last_drafted:  # nothing to plan; the window stays as it was
             self.last_admitted = 0
-            self._verify_started = (len(seqs), 0, len(seqs), time.perf_counter())
+            self._verify_started = (n, n, n, time.perf_counter())
             return drafts
-        self.draft_cost.record(len(seqs), draft_seconds)
+        self.draft_cost.record(n, draft_seconds)
         conf = self.estimator.predict_many([d.features for d in drafts], [d.depths() for d in drafts])
         surv = [ranked_survival(c, d.parents) for c, d in zip(conf, drafts)]
-        n, dsec = len(seqs), self.draft_cost(len(seqs))
         pins = [pinned(s) for s in seqs]
+        # nothing drawn at random (greedy requests, deterministic drafts): any admission rule is
+        # lossless, so the best plan by the current survivals (no early stop at a local maximum)
+        exact = all(s.params.greedy or d.q is None for s, d in zip(seqs, drafts))
+        if self.packed_chains and all(d.parents is None for d in drafts):
+            kept = self._plan_packed(surv, pins, drafts, exact)
+        else:
+            kept = self._plan_window(surv, pins, drafts, exact)
+        out = []
+        for s, d, c, k in zip(seqs, drafts, conf, kept):
+            out.append(d.select(k))
+            self._pending[s.id] = [c[i] for i in k]
+        self.last_admitted = sum(len(d.tokens) for d in out)
+        packed = self.packed_chains and all(d.parents is None for d in drafts)
+        tokens = n + self.last_admitted if packed else n * (1 + max(len(d.tokens) for d in out))
+        self._verify_started = (n, tokens, n + self.last_admitted, time.perf_counter())
+        return out
+
+    def _choose(self, theta: list[float], exact: bool) -> int:
+        """The planner's pick among the plans scored by theta (windows, or packed budgets)."""
+        if exact:
+            choice = self._stale = argmax(theta)
+        elif self.planner == "greedy":
+            choice = first_peak(theta)
+        else:
+            best = argmax(theta)
+            choice = best if self._stale is None else min(self._stale, len(theta) - 1)
+            self._stale = best  # used next step only: its survivals are then history
+        return choice
+
+    def _plan_packed(self, surv, pins, drafts, exact) -> list[list[int]]:
+        """Packed chains (engine._chain_forward): a step costs what its N + B tokens cost, so the
+        batch verifies its best B nodes by survival, wherever they are (vLLM's global top-B)."""
+        n = len(surv)
+        base = n + sum(len(d.tokens) for d, p in zip(drafts, pins) if p)  # roots and pinned drafts
+        free = [[] if p else sv for sv, p in zip(surv, pins)]
+        dsec = self.draft_cost(n)
+        theta = budget_throughput(free, dsec, lambda m: self.step_cost.costs(n, [base + B for B in range(m + 1)]),
+                                  self.SURVIVAL_FLOOR)
+        budget = self._choose(theta, exact)
+        kept = keep_best(free, budget, self.SURVIVAL_FLOOR)
+        self.width = max(len(k) for k in kept)
+        for r, (sv, p) in enumerate(zip(surv, pins)):
+            if p:
+                kept[r] = list(range(len(sv)))
+            elif self._probe and sv and not kept[r]:
+                kept[r] = [request_order(sv)[0]]
+        return kept
+
+    def _plan_window(self, surv, pins, drafts, exact) -> list[list[int]]:
+        """Padded windows (trees, or chains where the engine pads): a step costs the body of
+        N (1 + W) tokens and the LM head over the real rows; every request verifies its best min(W, n)."""
+        n = len(surv)
         widest = max(len(d.tokens) for d in drafts)
         # LM head rows at each window: every request's root, a free draft's first min(W, n) nodes, a pinned one's all
         pinned_rows = sum(len(d.tokens) for d, p in zip(drafts, pins) if p)
@@ -114,34 +172,18 @@ class AdaptiveDraftLength:
                      for W in range(widest + 1)]
         cost = self.step_cost.table(n, widest, head_rows).__getitem__  # seconds by window
         free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
-        if all(s.params.greedy or d.q is None for s, d in zip(seqs, drafts)):
-            # nothing drawn at random (greedy requests, deterministic drafts): any admission rule is
-            # lossless, so the best window by the current survivals (no early stop at a local maximum)
-            width = self._stale_width = best_width(free, dsec, cost)
-        elif self.planner == "greedy":
-            width = plan_greedy(free, dsec, cost)
-        else:
-            best = best_width(free, dsec, cost)
-            width = best if self._stale_width is None else self._stale_width
-            self._stale_width = best  # used next step only: its survivals are then history
+        width = self._choose(throughput(free, self.draft_cost(n), cost), exact)
         self.width = width
         if self._probe:
             width = max(width, 1)
         # a pinned draft widens the window for everyone, at no further cost
         width = max([width] + [len(d.tokens) for d, p in zip(drafts, pins) if p])
-        out = []
-        for s, d, c, k, p in zip(seqs, drafts, conf, keep(surv, width), pins):
-            k = list(range(len(d.tokens))) if p else k
-            out.append(d.select(k))
-            self._pending[s.id] = [c[i] for i in k]
-        self.last_admitted = sum(len(d.tokens) for d in out)
-        self._verify_started = (n, max(len(d.tokens) for d in out), n + self.last_admitted, time.perf_counter())
-        return out
+        return [list(range(len(d.tokens))) if p else k for d, k, p in zip(drafts, keep(surv, width), pins)]
 
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         if self._verify_started is not None:  # the step's time after drafting, by forward size and head rows
-            n, width, rows, t0 = self._verify_started
-            self.step_cost.record(n * (1 + width), time.perf_counter() - t0, rows, n)
+            n, tokens, rows, t0 = self._verify_started
+            self.step_cost.record(tokens, time.perf_counter() - t0, rows, n)
             self._verify_started = None
         for s, d, v in zip(seqs, drafts, verdicts):
             conf = self._pending.pop(s.id, [])
