@@ -208,10 +208,10 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
         [t for t in traces if t.method == "hf pld:3"], [t for t in traces if t.method == "plain"])
     assert set(rep["peer_outputs_vs_verispec_plain"]) == {"hf plain", "hf pld:3"}  # peers only
     assert rep["exact_cost"][NG]["outputs_equal_normal"]["total"] == 6
-    assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 4
+    assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 8
     assert all(len(p["throughput_rounds"]) == 2 for p in rep["sweep"])
-    assert all(p["seconds"] == pytest.approx(p["output_tokens"] * statistics.mean(1 / t for t in p["throughput_rounds"]))
-               for p in rep["sweep"])  # the median (of two: mean) round time
+    assert all(p["throughput_tok_s"] in p["throughput_rounds"] for p in rep["sweep"])  # the round nearer the median
+    assert all(p["drain_throughput_tok_s"] == pytest.approx(p["output_tokens"] / p["seconds"]) for p in rep["sweep"])
     assert all(p["identical_to_single_stream_plain"] == {"identical": p["requests"], "total": p["requests"]}
                for p in rep["sweep"])  # fp32: batched greedy == single-stream greedy
     files = R.write(rep, tmp_path / "rep")
@@ -230,10 +230,33 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     assert NG in R.console(rep)
 
 
-def test_sweep_repeats_prompts_to_fill_the_batch(tiny):
+def test_sweep_repeats_prompts_to_twice_the_batch(tiny):
     _, _, prompts = tiny
-    assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2"]
-    assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2", "toy/0", "toy/1"]
+    assert [p.id for p in sweep_requests(prompts, 1)] == ["toy/0", "toy/1", "toy/2"]
+    assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2", "toy/0"]
+    assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2"] * 3 + ["toy/0"]
+
+
+def test_sweep_throughput_is_measured_while_every_slot_is_busy(tiny):
+    """4 equal requests of 8 tokens in 2 slots, plain decoding: the first two finish together, and
+    the step after admits the last two (prefill, first token and a decode step each): the throughput
+    counts the 16 + 4 tokens out by then over that time, not the drain that follows."""
+    from verispec.bench.runner import build_engine, engine_config, run_batch
+
+    _, ours, prompts = tiny
+    eng = build_engine(ours, None, engine_config("tiny", None, 0, "float32", False, 2, 64, policy="fixed"))
+    seconds, rows, _, saturated = run_batch(eng, [prompts[0]] * 4, 8)
+    assert saturated[0] == 20 and 0 < saturated[1] < seconds
+    assert sum(r["tokens"] for r in rows) == 32
+
+
+def test_server_sweep_counts_tokens_in_flight_by_their_share_of_the_time():
+    from verispec.bench.server_sweep import tokens_by
+
+    rows = [{"tokens": 10, "first": 1.0, "end": 2.0}, {"tokens": 11, "first": 2.0, "end": 4.0},
+            {"tokens": 5, "first": 3.5, "end": 5.0}]
+    assert tokens_by(rows, 3.0) == pytest.approx(10 + 1 + 10 * 0.5 + 0)
+    assert tokens_by(rows, 5.0) == 26
 
 
 def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):
@@ -403,7 +426,7 @@ def test_server_sweep_streams_the_same_greedy_text(tmp_path):
     points = run_server_sweep("gemma3-270m", [None, "ngram"], 5, "bfloat16", [1, 3], prompts, 12, 512,
                               threads=torch.get_num_threads())
     assert [(p["method"], p["concurrency"], p["requests"]) for p in points] == [
-        ("plain (server)", 1, 2), ("ngram (server)", 1, 2), ("plain (server)", 3, 3), ("ngram (server)", 3, 3)]
+        ("plain (server)", 1, 2), ("ngram (server)", 1, 2), ("plain (server)", 3, 6), ("ngram (server)", 3, 6)]
     assert all(p["output_tokens"] == 12 * p["requests"] and p["throughput_tok_s"] > 0 for p in points)
     assert points[0]["tau"] == 1.0 and points[1]["tau"] >= 1.0
     rep = R.build(traces, methods, prompts, {"model": "gemma3-270m"}, points, env={"x": 1},

@@ -346,3 +346,64 @@ def test_int8_weights_run_on_the_native_kernel_and_dequantize_to_what_it_compute
     assert torch.equal(pw.dequantize(), (pw.codes().float() * pw.scale.float()[:, None]).bfloat16())
     assert pw.nbytes == 96 * 64 + 96 * 2
     assert PackedWeight(w.float(), "int8").native is None  # fp32 activations keep torch's kernel
+
+
+needs_int4 = pytest.mark.skipif(kernels.int4_gemm() is None, reason=f"native kernels unavailable: {kernels.why_not()}")
+
+
+@needs_int4
+@pytest.mark.parametrize("N,K", [(64, 640), (100, 64), (640, 2048)])
+def test_native_int4_gemm_is_x_times_the_dequantized_weight_with_each_row_alone(N, K):
+    """int4_gemm.c: x @ ((q - 8) * s + z).T, against the same product in fp64 (within a bf16
+    rounding); the packed codes, scales and zeros unpack to what was packed; a row's bits are the
+    same among 1-70 rows at any position and on one or two threads; the AVX512 and AVX2 builds
+    agree bit for bit."""
+    g = torch.Generator().manual_seed(19)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    G = K // kernels.INT4_GROUP
+    scale = (torch.rand(N, G, generator=g) / 50 + 1e-3).bfloat16()
+    zero = (torch.randn(N, G, generator=g) / 20).bfloat16()
+    x = torch.randn(70, K, generator=g).bfloat16()
+    packed = kernels.pack_int4(q)
+    assert packed.shape == (-(-N // 64), K, 32) and torch.equal(kernels.unpack_int4(packed, N), q)
+    scales, zeros = kernels.pack_int4_groups(scale), kernels.pack_int4_groups(zero)
+    assert torch.equal(scales.transpose(1, 2).reshape(-1, G)[:N], scale)
+    fn = kernels.int4_gemm()
+    got = kernels.run_int4_gemm(fn, x, packed, scales, zeros, N)
+    w = (q.double().view(N, G, -1) - 8) * scale.double()[..., None] + zero.double()[..., None]
+    ref = x.double() @ w.view(N, K).T
+    torch.testing.assert_close(got.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 5, 64, 70):
+                for start in (0, 70 - m):
+                    part = kernels.run_int4_gemm(fn, x[start : start + m].contiguous(), packed, scales, zeros, N)
+                    assert torch.equal(part, got[start : start + m]), (t, m, start)
+    finally:
+        torch.set_num_threads(threads)
+    outs = {}
+    for isa, lib in _variants():
+        f = lib.verispec_int4_gemm
+        f.restype, f.argtypes = None, fn.argtypes
+        outs[isa] = kernels.run_int4_gemm(f, x[:7].contiguous(), packed, scales, zeros, N)
+    assert all(torch.equal(o, got[:7]) for o in outs.values()), list(outs)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.run_int4_gemm(fn, x[:, :40].contiguous(), packed, scales, zeros, N)
+
+
+@needs_int4
+def test_int4_weights_run_on_the_native_kernel_and_dequantize_to_what_it_computes():
+    from verispec.models.quant import PackedWeight
+
+    g = torch.Generator().manual_seed(20)
+    w = torch.randn(100, 64, generator=g).bfloat16()  # 100 rows: not a multiple of torch's 16-row tiles
+    pw = PackedWeight(w, "int4")
+    assert pw.native is not None and not hasattr(pw, "q") and pw.dense is None
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    ref = x.double() @ pw.dequantize().double().T
+    torch.testing.assert_close(pw.mm(x).double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    assert (pw.dequantize().float() - w.float()).abs().max() < 0.5  # a 16-level grid per 32 values
+    assert pw.nbytes == 2 * 64 * 32 + 2 * 2 * (2 * 64) * 2  # two 64-row groups of codes, scales and zeros
+    assert PackedWeight(w.float(), "int4").native is None  # fp32 activations keep torch's kernel

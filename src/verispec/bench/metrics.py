@@ -31,8 +31,12 @@ DEFINITIONS = {
                "round totals; reported as median [min, max] over rounds; per-prompt speed-up: the median over "
                "rounds of each prompt's ratio, then median [min, max] over prompts",
     "identical": "greedy: output token ids equal the plain decoding's token for token (same engine, same round)",
-    "throughput_tok_s": "load sweep: total output tokens of all requests / wall time from adding them to the last "
-                        "one finishing (Engine with max_batch_size = concurrency)",
+    "throughput_tok_s": "load sweep: output tokens / wall time until the last waiting request got a slot (2 x "
+                        "concurrency requests, concurrency slots: every slot busy until then; Engine with "
+                        "max_batch_size = concurrency, or that many streams in flight to the server, where a "
+                        "request in flight then counts by its share of the time from its first token to its end)",
+    "drain_throughput_tok_s": "load sweep: all output tokens / wall time until the last request finished (the "
+                              "drain included, where the batch shrinks to the slowest requests)",
     "per_user_tok_s": "load sweep: median over requests of 1 / TPOT (decode speed one user sees)",
 }
 

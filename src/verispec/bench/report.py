@@ -170,10 +170,11 @@ def sweep_table(sweep: list[dict]) -> str:
         return f"{e['identical']}/{e['total']}" if e and e["total"] else "-"
 
     rows = [[p["method"], str(p["concurrency"]), str(p["requests"]), _f(p["throughput_tok_s"], 1),
-             _f(p["per_user_tok_s"]["median"], 1), _f(p["tpot_ms"]["median"], 1), _f(p["tau"]), ident(p)]
+             _f(p.get("drain_throughput_tok_s"), 1), _f(p["per_user_tok_s"]["median"], 1), _f(p["tpot_ms"]["median"], 1),
+             _f(p["tau"]), ident(p)]
             for p in sweep]
-    return table(["method", "concurrency", "requests", "throughput tok/s", "per-user tok/s", "TPOT ms", "tau",
-                  "identical to single-stream plain"], rows)
+    return table(["method", "concurrency", "requests", "throughput tok/s", "with the drain tok/s", "per-user tok/s",
+                  "TPOT ms", "tau", "identical to single-stream plain"], rows)
 
 
 def acceptance_table(summary: dict) -> str:
@@ -269,7 +270,9 @@ def markdown(report: dict, plots: list[str]) -> str:
         md += ["## Sampled output: distribution check", "", sampled_title(report["sampled_check"]) + ".", "",
                sampled_table(report["sampled_check"]), ""]
     if report["sweep"]:
-        md += ["## Load sweep", "", "In-process points: one engine per point with max_batch_size = concurrency. Points "
+        md += ["## Load sweep", "", "In-process points: one engine per point with max_batch_size = concurrency, twice as "
+               "many requests (a finished request's slot goes to a waiting one); throughput until the last one got a "
+               "slot, and with the drain after it. Points "
                "marked (server): a `verispec serve` process per method (max_batch_size = the largest level), "
                "requests streamed over HTTP with that many in flight; TTFT/TPOT measured at the client; output "
                "compared as text with the single-stream plain decoding.", "", sweep_table(report["sweep"]), ""]

@@ -157,13 +157,21 @@ class SweepPoint:
     concurrency: int
     requests: int
     output_tokens: int
-    seconds: float
+    seconds: float  # until the last request finished
     per_request: list[dict]  # prompt, tokens, seconds, ttft, tpot, output_ids
     tau: float
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of every round, in order
+    saturated: tuple[int, float] | None = None  # (tokens out, seconds) when the last waiting request got a slot
 
     @property
     def throughput(self) -> float:
+        """Tokens per second while `concurrency` requests were in flight (see `run_batch`)."""
+        tokens, seconds = self.saturated or (self.output_tokens, self.seconds)
+        return tokens / seconds if seconds > 0 else 0.0
+
+    @property
+    def drain_throughput(self) -> float:
+        """All the requests' tokens over the time until the last one finished, the drain included."""
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
@@ -173,6 +181,7 @@ class SweepPoint:
         return {"method": self.method, "concurrency": self.concurrency, "requests": self.requests,
                 "output_tokens": self.output_tokens, "seconds": self.seconds, "throughput_tok_s": self.throughput,
                 "throughput_rounds": self.throughput_rounds or [self.throughput],
+                "drain_throughput_tok_s": self.drain_throughput,
                 "tau": self.tau, "tpot_ms": spread([x * 1e3 for x in tpots]),
                 "per_user_tok_s": spread([1 / x for x in tpots]),
                 "ttft_ms": spread([r["ttft_s"] * 1e3 for r in self.per_request]),
@@ -180,18 +189,27 @@ class SweepPoint:
 
 
 def sweep_requests(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
-    """The prompts, repeated in order when there are fewer than `concurrency` of them."""
-    reps = -(-concurrency // len(prompts))
-    return (prompts * reps)[: max(len(prompts), concurrency)]
+    """Twice `concurrency` requests (at least every prompt once): the prompts, repeated in order.
+    With `concurrency` slots, a finished request's slot goes to a waiting one, so the throughput
+    is measured with that many requests in flight (`run_batch`); a batch of exactly `concurrency`
+    requests would also time its drain, where the slowest requests run in ever smaller batches."""
+    n = max(len(prompts), 2 * concurrency)
+    return (prompts * -(-n // len(prompts)))[:n]
 
 
-def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True) -> tuple[float, list[dict], SpecStats]:
-    """Add every request, step until all are done; per-request first-token and finish times."""
+def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True
+              ) -> tuple[float, list[dict], SpecStats, tuple[int, float]]:
+    """Add every request, step until all are done; per-request first-token and finish times, and
+    (tokens out, seconds) at the end of the step that gave the last waiting request its slot:
+    until then every slot was busy (a finished request's slot was refilled at the next step), so
+    that is the throughput at the engine's concurrency, without the drain at the end, where the
+    batch shrinks to the slowest requests (which a speculative method reaches with the rest done)."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     seqs = [engine.add_request(p.ids, sp) for p in prompts]
     first: dict[int, tuple[float, int]] = {}
     end: dict[int, float] = {}
+    saturated = None
     while engine.has_work:
         engine.step()
         now = time.perf_counter() - t0
@@ -200,6 +218,8 @@ def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos
                 first[s.id] = (now, s.num_output)
             if s.id not in end and s.finished:
                 end[s.id] = now
+        if saturated is None and not engine.waiting:
+            saturated = (sum(s.num_output for s in seqs), now)
     seconds = time.perf_counter() - t0
     total = SpecStats()
     rows = []
@@ -209,7 +229,7 @@ def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos
         n = s.num_output - n0
         rows.append({"prompt": p.id, "tokens": s.num_output, "seconds": end[s.id], "ttft_s": ttft,
                      "tpot_s": (end[s.id] - ttft) / n if n > 0 else None, "output_ids": list(s.output_ids)})
-    return seconds, rows, total
+    return seconds, rows, total, saturated
 
 
 def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int, dtype: str, mode: str,
@@ -237,20 +257,22 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
                 if spec:
                     policies[spec] = eng.policy
                 run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
-                seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
-                runs.setdefault((spec, c), []).append((seconds, rows, st.tau))
+                seconds, rows, st, saturated = run_batch(eng, reqs, max_tokens, ignore_eos)
+                point = SweepPoint("", c, len(rows), sum(x["tokens"] for x in rows), seconds, rows, st.tau,
+                                   saturated=saturated)
+                runs.setdefault((spec, c), []).append(point)
                 if progress:
                     name = f"{spec}{tag}" if spec else f"plain{tag}"
-                    tok = sum(x["tokens"] for x in rows)
-                    progress(f"sweep {name} @ {c}{f', round {r + 1}' if rounds > 1 else ''}: {tok / seconds:.1f} tok/s")
+                    progress(f"sweep {name} @ {c}{f', round {r + 1}' if rounds > 1 else ''}: {point.throughput:.1f} "
+                             f"tok/s ({point.drain_throughput:.1f} with the drain)")
                 del eng
     points = []
     for c in concurrency:
         for spec in drafters:
             reps = runs[(spec, c)]
-            seconds = statistics.median(s for s, _, _ in reps)  # the median round's time, as the server sweep's
-            _, rows, tau = min(reps, key=lambda x: abs(x[0] - seconds))  # the requests of a round nearest to it
-            points.append(SweepPoint(f"{spec}{tag}" if spec else f"plain{tag}", c, len(rows),
-                                     sum(x["tokens"] for x in rows), seconds, rows, tau,
-                                     [sum(x["tokens"] for x in rs) / s for s, rs, _ in reps]))
+            mid = statistics.median(p.throughput for p in reps)
+            point = min(reps, key=lambda p: abs(p.throughput - mid))  # the median round (of an odd count)
+            point.method = f"{spec}{tag}" if spec else f"plain{tag}"
+            point.throughput_rounds = [p.throughput for p in reps]
+            points.append(point)
     return points

@@ -3,10 +3,12 @@
 One `verispec serve` process per method (plain = `--drafter none`), all started before the sweep
 and alive together, so each level and round runs every method back to back in a rotated order and
 machine noise hits them alike (an idle server costs no CPU). At each concurrency level the same
-requests as the in-process sweep (`runner.sweep_requests`: the run's prompts, repeated to fill the
-batch) are streamed with that many in flight at once (greedy, `ignore_eos`, token-id prompts);
+requests as the in-process sweep (`runner.sweep_requests`: twice the level, the run's prompts
+repeated) are streamed with that many in flight at once (greedy, `ignore_eos`, token-id prompts);
 time to first token and time per output token are measured at the client, tau from the server's
-Prometheus counters over the level.
+Prometheus counters over the level. Throughput is the tokens received by the time the last
+request was sent (every slot busy until then; a request in flight counted by its share of the
+time from its first token to its end) over that time; the drain after it is reported apart.
 """
 
 from __future__ import annotations
@@ -45,10 +47,27 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], 
     end = time.perf_counter()
     first = first or end
     return {"tokens": tokens, "seconds": end - t0, "ttft_s": first - t0,
-            "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None, "text": "".join(text)}
+            "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None, "text": "".join(text),
+            "start": t0, "first": first, "end": end}
 
 
-async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max_tokens: int) -> tuple[float, list]:
+def tokens_by(rows: list[dict], t: float) -> float:
+    """Output tokens the requests had received by time t: all of a finished request's; for one in
+    flight, its first token at `first`, the rest spread evenly up to `end` (the client sees text,
+    not token counts, until the last chunk)."""
+    total = 0.0
+    for x in rows:
+        if x["end"] <= t:
+            total += x["tokens"]
+        elif x["first"] <= t and x["tokens"]:
+            total += 1 + (x["tokens"] - 1) * (t - x["first"]) / max(x["end"] - x["first"], 1e-9)
+    return total
+
+
+async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max_tokens: int
+                 ) -> tuple[float, list, tuple[float, float]]:
+    """Stream every request with `concurrency` in flight; (seconds until the last one finished,
+    rows, (tokens, seconds) when the last one was sent: until then every slot was busy)."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=1800) as client:
         async def guarded(p: Prompt):
@@ -57,7 +76,13 @@ async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max
 
         t0 = time.perf_counter()
         rows = await asyncio.gather(*(guarded(p) for p in reqs))
-        return time.perf_counter() - t0, rows
+        seconds = time.perf_counter() - t0
+        last_sent = max(x["start"] for x in rows)
+        saturated = (tokens_by(rows, last_sent), last_sent - t0)
+        for x in rows:
+            for key in ("start", "first", "end"):
+                x[key] -= t0
+        return seconds, rows, saturated
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -95,30 +120,34 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
                 for spec in order[j:] + order[:j]:
                     url = servers[spec].url
                     before = _counters(url)
-                    seconds, rows = asyncio.run(_level(url, model, reqs, c, max_tokens))
+                    seconds, rows, saturated = asyncio.run(_level(url, model, reqs, c, max_tokens))
                     after = _counters(url)
                     fwd = after.get("verispec:spec_decode_num_target_forwards_total", 0) - \
                         before.get("verispec:spec_decode_num_target_forwards_total", 0)
                     gen = after.get("verispec:generation_tokens_total", 0) - before.get("verispec:generation_tokens_total", 0)
                     # the first token of each request comes from its prefill, not from a decode forward
-                    runs.setdefault((spec, c), []).append((seconds, rows, (gen - len(rows)) / fwd if fwd else None))
+                    runs.setdefault((spec, c), []).append((seconds, rows, (gen - len(rows)) / fwd if fwd else None,
+                                                           saturated[0] / saturated[1]))
                     if progress:
                         tok = sum(x["tokens"] for x in rows)
-                        progress(f"server sweep {names[spec]} @ {c}, round {r + 1}: {tok / seconds:.1f} tok/s")
+                        progress(f"server sweep {names[spec]} @ {c}, round {r + 1}: {saturated[0] / saturated[1]:.1f} "
+                                 f"tok/s ({tok / seconds:.1f} with the drain)")
     finally:
         for srv in servers.values():
             srv.stop()
     points = []
     for (spec, c), reps in runs.items():
-        seconds = statistics.median(s for s, _, _ in reps)
-        rows = [x for _, rs, _ in reps for x in rs]
+        seconds = statistics.median(s for s, _, _, _ in reps)
+        rows = [x for _, rs, _, _ in reps for x in rs]
         tokens = sum(x["tokens"] for x in reps[0][1])
         tpots = [x["tpot_s"] for x in rows if x["tpot_s"]]
-        taus = [t for _, _, t in reps if t]
+        taus = [t for _, _, t, _ in reps if t]
         points.append({
             "method": names[spec], "via": "server", "concurrency": c, "requests": len(reps[0][1]),
-            "output_tokens": tokens, "seconds": seconds, "throughput_tok_s": tokens / seconds,
-            "throughput_rounds": [sum(x["tokens"] for x in rs) / s for s, rs, _ in reps],
+            "output_tokens": tokens, "seconds": seconds,
+            "throughput_tok_s": statistics.median(th for _, _, _, th in reps),
+            "throughput_rounds": [th for _, _, _, th in reps],
+            "drain_throughput_tok_s": tokens / seconds,
             "tau": statistics.median(taus) if taus else None,
             "tpot_ms": spread([x * 1e3 for x in tpots]), "per_user_tok_s": spread([1 / x for x in tpots]),
             "ttft_ms": spread([x["ttft_s"] * 1e3 for x in rows]),

@@ -2,8 +2,8 @@
 
 - `bf16_gemm.c`: the decode-sized bf16 matmul behind prepacked weights (models/prepack.py), in
   AVX512-BF16, AVX512 or AVX2 + FMA instructions, whichever `-march=native` offers (`isa()`);
-- `int8_gemm.c`: the decode-sized matmul behind weight-only int8 (models/quant.py), bf16 activations,
-  AVX512 or AVX2 + FMA (the same bits on either);
+- `int8_gemm.c`, `int4_gemm.c`: the decode-sized matmuls behind weight-only int8 and int4
+  (models/quant.py), bf16 activations, AVX512 or AVX2 + FMA (the same bits on either);
 - `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference);
 - `rope.c`: rotary embedding of bf16 q / k heads in one call, written as [B, heads, T, hd];
 - `attention.c`: bf16 attention with each query row on its own (models/layers.py
@@ -48,6 +48,11 @@ def bf16_gemm():
 def int8_gemm():
     """The compiled `verispec_int8_gemm` (int8_gemm.c), or None (see `why_not`)."""
     return _function("verispec_int8_gemm", [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
+
+
+def int4_gemm():
+    """The compiled `verispec_int4_gemm` (int4_gemm.c), or None (see `why_not`)."""
+    return _function("verispec_int4_gemm", [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4)
 
 
 def rms_norm():
@@ -186,6 +191,46 @@ def run_int8_gemm(fn, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     M, K = x.shape
     y = torch.empty(M, N, dtype=torch.bfloat16)
     fn(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads())
+    return y
+
+
+INT4_GROUP = 32  # input columns per scale and zero (QGROUP in int4_gemm.c)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (uint8, 0..15) in the kernel's layout [ceil(N/64), K, 32] uint8: byte j of
+    a group's column k holds row j (low nibble) and row j + 32 (high); zero rows pad N."""
+    N, K = q.shape
+    groups = -(-N // GROUP_ROWS)
+    w = torch.nn.functional.pad(q.detach().to(torch.uint8), (0, 0, 0, groups * GROUP_ROWS - N))
+    w = w.view(groups, GROUP_ROWS, K).transpose(1, 2)  # [groups, K, 64]
+    half = GROUP_ROWS // 2
+    return (w[..., :half] | (w[..., half:] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, N: int) -> torch.Tensor:
+    """The codes [N, K] back from `pack_int4`'s layout."""
+    w = torch.cat([packed & 15, packed >> 4], -1)  # [groups, K, 64]
+    return w.transpose(1, 2).reshape(-1, packed.shape[1])[:N]
+
+
+def pack_int4_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or zeros [N, K / 32] bf16 in the kernel's layout [ceil(N/64), K / 32, 64]."""
+    N, G = t.shape
+    groups = -(-N // GROUP_ROWS)
+    t = torch.nn.functional.pad(t.detach().to(torch.bfloat16), (0, 0, 0, groups * GROUP_ROWS - N))
+    return t.view(groups, GROUP_ROWS, G).transpose(1, 2).contiguous()
+
+
+def run_int4_gemm(fn, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  N: int) -> torch.Tensor:
+    """x [M, K] bf16 contiguous @ ((codes - 8) * scale + zero).T -> [M, N] bf16 (int4_gemm.c)."""
+    M, K = x.shape
+    if K % INT4_GROUP or packed.shape[1] != K:
+        raise ValueError(f"int4 weights of {packed.shape[1]} columns (a multiple of {INT4_GROUP}) against x [{M}, {K}]")
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    fn(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), M, N, K,
+       torch.get_num_threads())
     return y
 
 

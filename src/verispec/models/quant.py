@@ -5,7 +5,9 @@ Decoding one token reads every weight once, so its speed is set by the bytes of 
 (per output row scale) or int4 (groups of INT4_GROUP along the input, a scale and a zero each)
 halves or quarters those bytes; activations stay in the model dtype.
 
-The kernels are torch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
+For bf16 activations on a CPU the kernels are verispec's (kernels/int8_gemm.c, int4_gemm.c: one
+contiguous stream of codes per 64 output rows, each output row computed on its own); elsewhere
+torch's packed CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`),
 which also fix a CPU problem of bf16 weights: on a CPU without bf16 arithmetic (no AVX512-BF16 /
 AMX) a bf16 GEMM of more than one row costs 4-6x a one-row GEMV, while these kernels cost about
 the same for 1 to 4 rows (measured on the 2-core dev machine: LM head, 1 row / 4 rows: bf16
@@ -79,7 +81,7 @@ class PackedWeight:
         self.dtype, self.device = weight.dtype, weight.device
         w = weight.detach().float()  # [N, K]
         N, K = w.shape
-        self.native = None  # verispec's int8 kernel (kernels/int8_gemm.c), for bf16 on CPU where it builds
+        self.native = None  # verispec's kernel (kernels/int8_gemm.c, int4_gemm.c), for bf16 on CPU where it builds
         if mode == "int8":
             scale = (w.abs().amax(1) / 127).clamp(min=1e-12).to(self.dtype)  # [N], rounded as the kernel reads it
             self.q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
@@ -98,7 +100,14 @@ class PackedWeight:
             self.q = q.reshape(N, K).to(torch.uint8)  # unpacked codes, kept for de-quantizing
             self.scale, self.zero = scale[..., 0], zero[..., 0]  # [N, G]
             self.kernel = self.device.type == "cpu" and self.dtype != torch.float16 and N % INT4_N_MULTIPLE == 0
-            if self.kernel:
+            if self.device.type == "cpu" and self.dtype == torch.bfloat16 and group_size == kernels.INT4_GROUP:
+                self.native = kernels.int4_gemm()
+            if self.native is not None:
+                self.kernel = True
+                self.packed = kernels.pack_int4(self.q)
+                self.scales, self.zeros = kernels.pack_int4_groups(self.scale), kernels.pack_int4_groups(self.zero)
+                del self.q  # the packed copy holds the codes (`codes`)
+            elif self.kernel:
                 self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.q.to(torch.int32), 1)
                 # [G, N, 2]: (scale, zero) per group, the layout the kernel reads
                 self.scales_and_zeros = torch.stack([self.scale, self.zero], -1).transpose(0, 1).contiguous()
@@ -111,6 +120,9 @@ class PackedWeight:
         if self.mode == "int8":
             return (self.codes().float() * self.scale.float()[:, None]).to(self.dtype)
         N, K = self.shape
+        if self.native is not None:
+            q = self.codes().float().reshape(N, K // self.group_size, self.group_size)
+            return ((q - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(N, K).to(self.dtype)
         if getattr(self, "q", None) is None:  # the codes were packed away: x = I gives W.T
             eye = torch.eye(K, dtype=self.dtype, device=self.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size,
@@ -120,8 +132,11 @@ class PackedWeight:
         return w.reshape(N, K).to(self.dtype)
 
     def codes(self) -> torch.Tensor:
-        """int8 codes [N, K]."""
-        return kernels.unpack_int8(self.packed, self.shape[0]) if self.native is not None else self.q
+        """The codes [N, K]: int8, or int4 as uint8 0..15."""
+        if self.native is None:
+            return self.q
+        unpack = kernels.unpack_int8 if self.mode == "int8" else kernels.unpack_int4
+        return unpack(self.packed, self.shape[0])
 
     def mm(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """x [M, K] -> x @ W.T [M, N]; rows independent of M on the kernel path."""
@@ -134,6 +149,9 @@ class PackedWeight:
                 return kernels.run_int8_gemm(self.native, x.to(torch.bfloat16).contiguous(), self.packed, self.scale,
                                              self.shape[0])
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        if self.native is not None:
+            return kernels.run_int4_gemm(self.native, x.to(torch.bfloat16).contiguous(), self.packed, self.scales,
+                                         self.zeros, self.shape[0])
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
     @property
@@ -143,6 +161,8 @@ class PackedWeight:
             return self.dense.numel() * self.dense.element_size()
         if self.mode == "int8":
             return self.shape[0] * self.shape[1] + self.scale.numel() * self.scale.element_size()
+        if self.native is not None:
+            return self.packed.numel() + 2 * self.scales.numel() * self.scales.element_size()
         return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
 
