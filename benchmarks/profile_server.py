@@ -188,7 +188,7 @@ def main():
                                                  "bfloat16", False, args.concurrency, 512))
                 run_batch(eng, reqs[: args.concurrency], 4)
                 timer = StepTimer(eng)
-                secs, out, _, _ = run_batch(eng, reqs, args.max_tokens)
+                secs, out, _ = run_batch(eng, reqs, args.max_tokens)
                 report(m.name, r, "in process", sum(x["tokens"] for x in out) / secs, timer.summary(), secs)
                 del eng, timer
             m.timer.reset()

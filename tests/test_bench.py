@@ -237,26 +237,24 @@ def test_sweep_repeats_prompts_to_twice_the_batch(tiny):
     assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2"] * 3 + ["toy/0"]
 
 
-def test_sweep_throughput_is_measured_while_every_slot_is_busy(tiny):
-    """4 equal requests of 8 tokens in 2 slots, plain decoding: the first two finish together, and
-    the step after admits the last two (prefill, first token and a decode step each): the throughput
-    counts the 16 + 4 tokens out by then over that time, not the drain that follows."""
-    from verispec.bench.runner import build_engine, engine_config, run_batch
+def test_sweep_throughput_counts_the_requests_that_ran_with_every_slot_busy(tiny):
+    """4 equal requests of 8 tokens in 2 slots, plain decoding: the first two run with the other two
+    waiting, then take their slots; the throughput is 2 x their 16 tokens over their summed times
+    from admission to finish, not the last two, which finish after the queue emptied."""
+    from verispec.bench.runner import build_engine, busy_throughput, engine_config, run_batch
 
     _, ours, prompts = tiny
     eng = build_engine(ours, None, engine_config("tiny", None, 0, "float32", False, 2, 64, policy="fixed"))
-    seconds, rows, _, saturated = run_batch(eng, [prompts[0]] * 4, 8)
-    assert saturated[0] == 20 and 0 < saturated[1] < seconds
-    assert sum(r["tokens"] for r in rows) == 32
-
-
-def test_server_sweep_counts_tokens_in_flight_by_their_share_of_the_time():
-    from verispec.bench.server_sweep import tokens_by
-
-    rows = [{"tokens": 10, "first": 1.0, "end": 2.0}, {"tokens": 11, "first": 2.0, "end": 4.0},
-            {"tokens": 5, "first": 3.5, "end": 5.0}]
-    assert tokens_by(rows, 3.0) == pytest.approx(10 + 1 + 10 * 0.5 + 0)
-    assert tokens_by(rows, 5.0) == 26
+    seconds, rows, _ = run_batch(eng, [prompts[0]] * 4, 8)
+    first, later = rows[:2], rows[2:]
+    assert first[0]["admitted_s"] == first[1]["admitted_s"] < later[0]["admitted_s"] == later[1]["admitted_s"]
+    assert all(r["end_s"] <= later[0]["admitted_s"] for r in first) and max(r["end_s"] for r in later) <= seconds
+    assert busy_throughput(rows, 2) == pytest.approx(2 * 16 / sum(r["end_s"] - r["admitted_s"] for r in first))
+    # by hand: two requests busy the whole time; one finishing after the last admission does not count
+    hand = [{"tokens": 10, "admitted_s": 0.0, "end_s": 2.0}, {"tokens": 10, "admitted_s": 0.0, "end_s": 4.0},
+            {"tokens": 10, "admitted_s": 2.0, "end_s": 3.0}, {"tokens": 10, "admitted_s": 3.0, "end_s": 6.0}]
+    assert busy_throughput(hand, 2) == pytest.approx(2 * 20 / (2.0 + 1.0))
+    assert busy_throughput(hand[:1], 1) == pytest.approx(5.0)  # nothing waited: the requests there are
 
 
 def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):

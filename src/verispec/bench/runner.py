@@ -161,13 +161,11 @@ class SweepPoint:
     per_request: list[dict]  # prompt, tokens, seconds, ttft, tpot, output_ids
     tau: float
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of every round, in order
-    saturated: tuple[int, float] | None = None  # (tokens out, seconds) when the last waiting request got a slot
 
     @property
     def throughput(self) -> float:
-        """Tokens per second while `concurrency` requests were in flight (see `run_batch`)."""
-        tokens, seconds = self.saturated or (self.output_tokens, self.seconds)
-        return tokens / seconds if seconds > 0 else 0.0
+        """Tokens per second with `concurrency` requests in flight (`busy_throughput`)."""
+        return busy_throughput(self.per_request, self.concurrency)
 
     @property
     def drain_throughput(self) -> float:
@@ -190,36 +188,50 @@ class SweepPoint:
 
 def sweep_requests(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
     """Twice `concurrency` requests (at least every prompt once): the prompts, repeated in order.
-    With `concurrency` slots, a finished request's slot goes to a waiting one, so the throughput
-    is measured with that many requests in flight (`run_batch`); a batch of exactly `concurrency`
-    requests would also time its drain, where the slowest requests run in ever smaller batches."""
+    With `concurrency` slots, a finished request's slot goes to a waiting one, so the first ones
+    run their whole life with that many in flight (`busy_throughput`)."""
     n = max(len(prompts), 2 * concurrency)
     return (prompts * -(-n // len(prompts)))[:n]
 
 
+def busy_throughput(rows: list[dict], concurrency: int) -> float:
+    """Throughput with `concurrency` requests in flight, by Little's law: concurrency x the tokens
+    of the requests that finished before the last one was admitted (every slot was busy for their
+    whole life: a finished request's slot went to a waiting one) over the sum of their times from
+    admission to finish. Timing all requests until the last one finished would add the drain,
+    where the batch shrinks to its slowest requests: a speculative method gets there with its fast
+    requests done, plain decoding in lockstep, so the drain priced speculation below what it does
+    at that load. Every request counts a prefill of its own in its time, as it would in a server
+    with requests arriving at random."""
+    last_admitted = max(r["admitted_s"] for r in rows)
+    busy = [r for r in rows if r["end_s"] <= last_admitted] or rows
+    seconds = sum(r["end_s"] - r["admitted_s"] for r in busy)
+    return concurrency * sum(r["tokens"] for r in busy) / seconds if seconds > 0 else 0.0
+
+
 def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True
-              ) -> tuple[float, list[dict], SpecStats, tuple[int, float]]:
-    """Add every request, step until all are done; per-request first-token and finish times, and
-    (tokens out, seconds) at the end of the step that gave the last waiting request its slot:
-    until then every slot was busy (a finished request's slot was refilled at the next step), so
-    that is the throughput at the engine's concurrency, without the drain at the end, where the
-    batch shrinks to the slowest requests (which a speculative method reaches with the rest done)."""
+              ) -> tuple[float, list[dict], SpecStats]:
+    """Add every request, step until all are done; per-request admission (the start of the step
+    that gave it a slot), first-token and finish times."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     seqs = [engine.add_request(p.ids, sp) for p in prompts]
     first: dict[int, tuple[float, int]] = {}
     end: dict[int, float] = {}
-    saturated = None
+    admitted: dict[int, float] = {}
     while engine.has_work:
+        waiting = {s.id for s in engine.waiting}
+        start = time.perf_counter() - t0
         engine.step()
         now = time.perf_counter() - t0
+        left = {s.id for s in engine.waiting}
         for s in seqs:
+            if s.id in waiting and s.id not in left or (s.id not in waiting and s.id not in admitted):
+                admitted.setdefault(s.id, start)
             if s.id not in first and s.num_output:
                 first[s.id] = (now, s.num_output)
             if s.id not in end and s.finished:
                 end[s.id] = now
-        if saturated is None and not engine.waiting:
-            saturated = (sum(s.num_output for s in seqs), now)
     seconds = time.perf_counter() - t0
     total = SpecStats()
     rows = []
@@ -228,8 +240,9 @@ def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos
         ttft, n0 = first[s.id]
         n = s.num_output - n0
         rows.append({"prompt": p.id, "tokens": s.num_output, "seconds": end[s.id], "ttft_s": ttft,
-                     "tpot_s": (end[s.id] - ttft) / n if n > 0 else None, "output_ids": list(s.output_ids)})
-    return seconds, rows, total, saturated
+                     "tpot_s": (end[s.id] - ttft) / n if n > 0 else None, "output_ids": list(s.output_ids),
+                     "admitted_s": admitted[s.id], "end_s": end[s.id]})
+    return seconds, rows, total
 
 
 def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int, dtype: str, mode: str,
@@ -257,9 +270,8 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
                 if spec:
                     policies[spec] = eng.policy
                 run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
-                seconds, rows, st, saturated = run_batch(eng, reqs, max_tokens, ignore_eos)
-                point = SweepPoint("", c, len(rows), sum(x["tokens"] for x in rows), seconds, rows, st.tau,
-                                   saturated=saturated)
+                seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
+                point = SweepPoint("", c, len(rows), sum(x["tokens"] for x in rows), seconds, rows, st.tau)
                 runs.setdefault((spec, c), []).append(point)
                 if progress:
                     name = f"{spec}{tag}" if spec else f"plain{tag}"

@@ -6,9 +6,8 @@ machine noise hits them alike (an idle server costs no CPU). At each concurrency
 requests as the in-process sweep (`runner.sweep_requests`: twice the level, the run's prompts
 repeated) are streamed with that many in flight at once (greedy, `ignore_eos`, token-id prompts);
 time to first token and time per output token are measured at the client, tau from the server's
-Prometheus counters over the level. Throughput is the tokens received by the time the last
-request was sent (every slot busy until then; a request in flight counted by its share of the
-time from its first token to its end) over that time; the drain after it is reported apart.
+Prometheus counters over the level. Throughput is `runner.busy_throughput` over the requests'
+send and finish times at the client; the drain is reported apart.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import httpx
 from ..server.process import ServerProcess
 from .metrics import spread
 from ..prompts import Prompt
-from .runner import parse_method_spec, sweep_requests
+from .runner import busy_throughput, parse_method_spec, sweep_requests
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
@@ -48,26 +47,12 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], 
     first = first or end
     return {"tokens": tokens, "seconds": end - t0, "ttft_s": first - t0,
             "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None, "text": "".join(text),
-            "start": t0, "first": first, "end": end}
+            "start": t0, "end": end}
 
 
-def tokens_by(rows: list[dict], t: float) -> float:
-    """Output tokens the requests had received by time t: all of a finished request's; for one in
-    flight, its first token at `first`, the rest spread evenly up to `end` (the client sees text,
-    not token counts, until the last chunk)."""
-    total = 0.0
-    for x in rows:
-        if x["end"] <= t:
-            total += x["tokens"]
-        elif x["first"] <= t and x["tokens"]:
-            total += 1 + (x["tokens"] - 1) * (t - x["first"]) / max(x["end"] - x["first"], 1e-9)
-    return total
-
-
-async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max_tokens: int
-                 ) -> tuple[float, list, tuple[float, float]]:
-    """Stream every request with `concurrency` in flight; (seconds until the last one finished,
-    rows, (tokens, seconds) when the last one was sent: until then every slot was busy)."""
+async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max_tokens: int) -> tuple[float, list]:
+    """Stream every request with `concurrency` in flight: (seconds until the last one finished,
+    rows with each request's admission (sent) and finish times from the level's start)."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=1800) as client:
         async def guarded(p: Prompt):
@@ -77,12 +62,9 @@ async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max
         t0 = time.perf_counter()
         rows = await asyncio.gather(*(guarded(p) for p in reqs))
         seconds = time.perf_counter() - t0
-        last_sent = max(x["start"] for x in rows)
-        saturated = (tokens_by(rows, last_sent), last_sent - t0)
         for x in rows:
-            for key in ("start", "first", "end"):
-                x[key] -= t0
-        return seconds, rows, saturated
+            x["admitted_s"], x["end_s"] = x.pop("start") - t0, x.pop("end") - t0
+        return seconds, rows
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -120,18 +102,18 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
                 for spec in order[j:] + order[:j]:
                     url = servers[spec].url
                     before = _counters(url)
-                    seconds, rows, saturated = asyncio.run(_level(url, model, reqs, c, max_tokens))
+                    seconds, rows = asyncio.run(_level(url, model, reqs, c, max_tokens))
+                    busy = busy_throughput(rows, c)
                     after = _counters(url)
                     fwd = after.get("verispec:spec_decode_num_target_forwards_total", 0) - \
                         before.get("verispec:spec_decode_num_target_forwards_total", 0)
                     gen = after.get("verispec:generation_tokens_total", 0) - before.get("verispec:generation_tokens_total", 0)
                     # the first token of each request comes from its prefill, not from a decode forward
-                    runs.setdefault((spec, c), []).append((seconds, rows, (gen - len(rows)) / fwd if fwd else None,
-                                                           saturated[0] / saturated[1]))
+                    runs.setdefault((spec, c), []).append((seconds, rows, (gen - len(rows)) / fwd if fwd else None, busy))
                     if progress:
                         tok = sum(x["tokens"] for x in rows)
-                        progress(f"server sweep {names[spec]} @ {c}, round {r + 1}: {saturated[0] / saturated[1]:.1f} "
-                                 f"tok/s ({tok / seconds:.1f} with the drain)")
+                        progress(f"server sweep {names[spec]} @ {c}, round {r + 1}: {busy:.1f} tok/s "
+                                 f"({tok / seconds:.1f} with the drain)")
     finally:
         for srv in servers.values():
             srv.stop()
