@@ -38,7 +38,7 @@ except ImportError:  # a verispec from before quantization (PYTHONPATH=an older 
 from verispec.sampling import SamplingParams
 from verispec.threads import setup_threads
 
-NATIVE_OP = "verispec::bf16_gemm"  # verispec's matmul kernels (bf16, int8): ctypes calls the profiler cannot see, labelled
+NATIVE_OP = "verispec::bf16_gemm"  # verispec's matmul kernels (bf16, int8, int4): ctypes calls the profiler cannot see, labelled
 MATMUL_OPS = {"aten::mm", "aten::mv", "aten::addmm", "aten::matmul", "aten::_weight_int8pack_mm",
               "aten::_weight_int4pack_mm_for_cpu", "aten::linear",
               "mkldnn::_linear_pointwise", NATIVE_OP, NATIVE_OP + " (LM head)"}
@@ -88,6 +88,12 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
         with torch.profiler.record_function(NATIVE_OP + (" (LM head)" if N == head_n else "")):
             return native_int8(fn, x, packed, scale, N)
 
+    native_int4 = getattr(kernels, "run_int4_gemm", None)
+
+    def labelled_int4(fn, x, packed, scales, zeros, N):
+        with torch.profiler.record_function(NATIVE_OP + (" (LM head)" if N == head_n else "")):
+            return native_int4(fn, x, packed, scales, zeros, N)
+
     norm = kernels.run_rms_norm
 
     def labelled_norm(*a, **kw):
@@ -101,13 +107,13 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
             return attention(*a, **kw)
 
     kernels.run_bf16_gemm, kernels.run_rms_norm, kernels.run_attention = labelled, labelled_norm, labelled_attention
-    kernels.run_int8_gemm = labelled_int8
+    kernels.run_int8_gemm, kernels.run_int4_gemm = labelled_int8, labelled_int4
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             _, _, steps = decode(model, tok, prompt, tokens)
     finally:
         kernels.run_bf16_gemm, kernels.run_rms_norm, kernels.run_attention = native, norm, attention
-        kernels.run_int8_gemm = native_int8
+        kernels.run_int8_gemm, kernels.run_int4_gemm = native_int8, native_int4
     groups = defaultdict(float)
     for ev in prof.key_averages(group_by_input_shape=True):
         us = ev.self_cpu_time_total

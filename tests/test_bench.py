@@ -209,6 +209,7 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     assert set(rep["peer_outputs_vs_verispec_plain"]) == {"hf plain", "hf pld:3"}  # peers only
     assert rep["exact_cost"][NG]["outputs_equal_normal"]["total"] == 6
     assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 8
+    assert [p["measured_requests"] for p in rep["sweep"]] == [3, 3, 3, 3, 4, 4]
     assert all(len(p["throughput_rounds"]) == 2 for p in rep["sweep"])
     assert all(p["throughput_tok_s"] in p["throughput_rounds"] for p in rep["sweep"])  # the round nearer the median
     assert all(p["drain_throughput_tok_s"] == pytest.approx(p["output_tokens"] / p["seconds"]) for p in rep["sweep"])
@@ -230,31 +231,30 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     assert NG in R.console(rep)
 
 
-def test_sweep_repeats_prompts_to_twice_the_batch(tiny):
+def test_sweep_queues_a_batch_behind_the_measured_requests(tiny):
     _, _, prompts = tiny
-    assert [p.id for p in sweep_requests(prompts, 1)] == ["toy/0", "toy/1", "toy/2"]
-    assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2", "toy/0"]
+    assert [p.id for p in sweep_requests(prompts, 1)] == ["toy/0", "toy/1", "toy/2", "toy/0"]
+    assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2", "toy/0", "toy/1"]
     assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2"] * 3 + ["toy/0"]
 
 
-def test_sweep_throughput_counts_the_requests_that_ran_with_every_slot_busy(tiny):
-    """4 equal requests of 8 tokens in 2 slots, plain decoding: the first two run with the other two
-    waiting, then take their slots; the throughput is 2 x their 16 tokens over their summed times
-    from admission to finish, not the last two, which finish after the queue emptied."""
+def test_sweep_throughput_is_littles_law_over_the_measured_requests(tiny):
+    """3 equal requests of 8 tokens and 2 slots, plain decoding, the first 2 measured: both run with
+    the third waiting; the throughput is 2 x their 16 tokens over their summed times from admission
+    to finish. The third, admitted when they finish, runs alone: it is not measured."""
     from verispec.bench.runner import build_engine, busy_throughput, engine_config, run_batch
 
     _, ours, prompts = tiny
     eng = build_engine(ours, None, engine_config("tiny", None, 0, "float32", False, 2, 64, policy="fixed"))
-    seconds, rows, _ = run_batch(eng, [prompts[0]] * 4, 8)
-    first, later = rows[:2], rows[2:]
-    assert first[0]["admitted_s"] == first[1]["admitted_s"] < later[0]["admitted_s"] == later[1]["admitted_s"]
-    assert all(r["end_s"] <= later[0]["admitted_s"] for r in first) and max(r["end_s"] for r in later) <= seconds
-    assert busy_throughput(rows, 2) == pytest.approx(2 * 16 / sum(r["end_s"] - r["admitted_s"] for r in first))
-    # by hand: two requests busy the whole time; one finishing after the last admission does not count
-    hand = [{"tokens": 10, "admitted_s": 0.0, "end_s": 2.0}, {"tokens": 10, "admitted_s": 0.0, "end_s": 4.0},
-            {"tokens": 10, "admitted_s": 2.0, "end_s": 3.0}, {"tokens": 10, "admitted_s": 3.0, "end_s": 6.0}]
-    assert busy_throughput(hand, 2) == pytest.approx(2 * 20 / (2.0 + 1.0))
-    assert busy_throughput(hand[:1], 1) == pytest.approx(5.0)  # nothing waited: the requests there are
+    seconds, rows, _ = run_batch(eng, [prompts[0]] * 3, 8)
+    first, last = rows[:2], rows[2]
+    assert first[0]["admitted_s"] == first[1]["admitted_s"] < last["admitted_s"]
+    assert all(r["end_s"] <= last["admitted_s"] for r in first) and last["end_s"] <= seconds
+    assert busy_throughput(rows, 2, 2) == pytest.approx(2 * 16 / sum(r["end_s"] - r["admitted_s"] for r in first))
+    hand = [{"tokens": 10, "admitted_s": 0.0, "end_s": 2.0}, {"tokens": 20, "admitted_s": 0.0, "end_s": 4.0},
+            {"tokens": 10, "admitted_s": 2.0, "end_s": 3.0}]
+    assert busy_throughput(hand, 2, 2) == pytest.approx(2 * 30 / 6.0)
+    assert busy_throughput(hand, 1, 3) == pytest.approx(40 / 7.0)
 
 
 def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):
@@ -424,7 +424,7 @@ def test_server_sweep_streams_the_same_greedy_text(tmp_path):
     points = run_server_sweep("gemma3-270m", [None, "ngram"], 5, "bfloat16", [1, 3], prompts, 12, 512,
                               threads=torch.get_num_threads())
     assert [(p["method"], p["concurrency"], p["requests"]) for p in points] == [
-        ("plain (server)", 1, 2), ("ngram (server)", 1, 2), ("plain (server)", 3, 6), ("ngram (server)", 3, 6)]
+        ("plain (server)", 1, 3), ("ngram (server)", 1, 3), ("plain (server)", 3, 6), ("ngram (server)", 3, 6)]
     assert all(p["output_tokens"] == 12 * p["requests"] and p["throughput_tok_s"] > 0 for p in points)
     assert points[0]["tau"] == 1.0 and points[1]["tau"] >= 1.0
     rep = R.build(traces, methods, prompts, {"model": "gemma3-270m"}, points, env={"x": 1},

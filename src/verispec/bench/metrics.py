@@ -31,10 +31,10 @@ DEFINITIONS = {
                "round totals; reported as median [min, max] over rounds; per-prompt speed-up: the median over "
                "rounds of each prompt's ratio, then median [min, max] over prompts",
     "identical": "greedy: output token ids equal the plain decoding's token for token (same engine, same round)",
-    "throughput_tok_s": "load sweep: concurrency x output tokens / summed time from admission to finish, over the "
-                        "requests that finished before the last one was admitted (2 x concurrency requests, "
-                        "concurrency slots: those ran their whole life with every slot busy; Little's law); "
-                        "Engine with max_batch_size = concurrency, or that many streams in flight to the server",
+    "throughput_tok_s": "load sweep: concurrency x output tokens / summed time from admission to finish of the "
+                        "first max(prompts, concurrency) requests, with concurrency more queued behind them so "
+                        "that every slot stays busy while they run (Little's law); Engine with max_batch_size = "
+                        "concurrency, or that many streams in flight to the server",
     "drain_throughput_tok_s": "load sweep: all output tokens / wall time until the last request finished (the "
                               "drain included, where the batch shrinks to the slowest requests)",
     "per_user_tok_s": "load sweep: median over requests of 1 / TPOT (decode speed one user sees)",

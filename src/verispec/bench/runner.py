@@ -162,10 +162,12 @@ class SweepPoint:
     tau: float
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of every round, in order
 
+    measured: int = 0  # the first requests the throughput is measured on (0: all)
+
     @property
     def throughput(self) -> float:
         """Tokens per second with `concurrency` requests in flight (`busy_throughput`)."""
-        return busy_throughput(self.per_request, self.concurrency)
+        return busy_throughput(self.per_request, self.concurrency, self.measured or len(self.per_request))
 
     @property
     def drain_throughput(self) -> float:
@@ -179,7 +181,7 @@ class SweepPoint:
         return {"method": self.method, "concurrency": self.concurrency, "requests": self.requests,
                 "output_tokens": self.output_tokens, "seconds": self.seconds, "throughput_tok_s": self.throughput,
                 "throughput_rounds": self.throughput_rounds or [self.throughput],
-                "drain_throughput_tok_s": self.drain_throughput,
+                "drain_throughput_tok_s": self.drain_throughput, "measured_requests": self.measured,
                 "tau": self.tau, "tpot_ms": spread([x * 1e3 for x in tpots]),
                 "per_user_tok_s": spread([1 / x for x in tpots]),
                 "ttft_ms": spread([r["ttft_s"] * 1e3 for r in self.per_request]),
@@ -187,26 +189,32 @@ class SweepPoint:
 
 
 def sweep_requests(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
-    """Twice `concurrency` requests (at least every prompt once): the prompts, repeated in order.
-    With `concurrency` slots, a finished request's slot goes to a waiting one, so the first ones
-    run their whole life with that many in flight (`busy_throughput`)."""
-    n = max(len(prompts), 2 * concurrency)
+    """The prompts repeated in order: the measured ones (the prompt set once, or one per slot), then
+    `concurrency` more to keep every slot busy while they run (`busy_throughput`)."""
+    n = measured_requests(len(prompts), concurrency) + concurrency
     return (prompts * -(-n // len(prompts)))[:n]
 
 
-def busy_throughput(rows: list[dict], concurrency: int) -> float:
+def busy_throughput(rows: list[dict], concurrency: int, measured: int) -> float:
     """Throughput with `concurrency` requests in flight, by Little's law: concurrency x the tokens
-    of the requests that finished before the last one was admitted (every slot was busy for their
-    whole life: a finished request's slot went to a waiting one) over the sum of their times from
-    admission to finish. Timing all requests until the last one finished would add the drain,
-    where the batch shrinks to its slowest requests: a speculative method gets there with its fast
-    requests done, plain decoding in lockstep, so the drain priced speculation below what it does
-    at that load. Every request counts a prefill of its own in its time, as it would in a server
-    with requests arriving at random."""
-    last_admitted = max(r["admitted_s"] for r in rows)
-    busy = [r for r in rows if r["end_s"] <= last_admitted] or rows
-    seconds = sum(r["end_s"] - r["admitted_s"] for r in busy)
-    return concurrency * sum(r["tokens"] for r in busy) / seconds if seconds > 0 else 0.0
+    of the first `measured` requests (the prompt set once, or the first wave) over the sum of
+    their times from admission to finish. `sweep_requests` queues `concurrency` more behind them,
+    so a finished request's slot goes to a waiting one and they run with every slot busy.
+
+    Timing all requests until the last one finished would add the drain, where the batch shrinks
+    to its slowest requests: a speculative method gets there with its fast requests done, plain
+    decoding in lockstep, so the drain priced speculation below what it does at that load. A
+    window until the last admission instead favoured staggered methods (plain decoding's lockstep
+    put a second wave's prefill in it), and counting the requests done in a window favours the
+    fast prompts, which finish more often; a fixed set of requests with the run's prompt mix does
+    neither. Every request counts its own prefill, as in a server with requests arriving at random."""
+    first = rows[:measured]
+    seconds = sum(r["end_s"] - r["admitted_s"] for r in first)
+    return concurrency * sum(r["tokens"] for r in first) / seconds if seconds > 0 else 0.0
+
+
+def measured_requests(num_prompts: int, concurrency: int) -> int:
+    return max(num_prompts, concurrency)
 
 
 def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True
@@ -271,7 +279,8 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
                     policies[spec] = eng.policy
                 run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
                 seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
-                point = SweepPoint("", c, len(rows), sum(x["tokens"] for x in rows), seconds, rows, st.tau)
+                point = SweepPoint("", c, len(rows), sum(x["tokens"] for x in rows), seconds, rows, st.tau,
+                                   measured=measured_requests(len(prompts), c))
                 runs.setdefault((spec, c), []).append(point)
                 if progress:
                     name = f"{spec}{tag}" if spec else f"plain{tag}"

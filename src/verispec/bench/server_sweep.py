@@ -23,7 +23,7 @@ import httpx
 from ..server.process import ServerProcess
 from .metrics import spread
 from ..prompts import Prompt
-from .runner import busy_throughput, parse_method_spec, sweep_requests
+from .runner import busy_throughput, measured_requests, parse_method_spec, sweep_requests
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
@@ -103,7 +103,7 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
                     url = servers[spec].url
                     before = _counters(url)
                     seconds, rows = asyncio.run(_level(url, model, reqs, c, max_tokens))
-                    busy = busy_throughput(rows, c)
+                    busy = busy_throughput(rows, c, measured_requests(len(prompts), c))
                     after = _counters(url)
                     fwd = after.get("verispec:spec_decode_num_target_forwards_total", 0) - \
                         before.get("verispec:spec_decode_num_target_forwards_total", 0)
@@ -129,7 +129,7 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
             "output_tokens": tokens, "seconds": seconds,
             "throughput_tok_s": statistics.median(th for _, _, _, th in reps),
             "throughput_rounds": [th for _, _, _, th in reps],
-            "drain_throughput_tok_s": tokens / seconds,
+            "drain_throughput_tok_s": tokens / seconds, "measured_requests": measured_requests(len(prompts), c),
             "tau": statistics.median(taus) if taus else None,
             "tpot_ms": spread([x * 1e3 for x in tpots]), "per_user_tok_s": spread([1 / x for x in tpots]),
             "ttft_ms": spread([x["ttft_s"] * 1e3 for x in rows]),
