@@ -166,7 +166,10 @@ class SweepPoint:
 
     @property
     def throughput(self) -> float:
-        """Tokens per second with `concurrency` requests in flight (`busy_throughput`)."""
+        """Tokens per second with `concurrency` requests in flight (`busy_throughput`); with
+        several rounds, their median."""
+        if self.throughput_rounds:
+            return statistics.median(self.throughput_rounds)
         return busy_throughput(self.per_request, self.concurrency, self.measured or len(self.per_request))
 
     @property
@@ -292,8 +295,8 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
         for spec in drafters:
             reps = runs[(spec, c)]
             mid = statistics.median(p.throughput for p in reps)
-            point = min(reps, key=lambda p: abs(p.throughput - mid))  # the median round (of an odd count)
+            point = min(reps, key=lambda p: abs(p.throughput - mid))  # the requests of the round nearest the median
             point.method = f"{spec}{tag}" if spec else f"plain{tag}"
-            point.throughput_rounds = [p.throughput for p in reps]
+            point.throughput_rounds = [p.throughput for p in reps]  # throughput: their median
             points.append(point)
     return points
