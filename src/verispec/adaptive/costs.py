@@ -278,7 +278,7 @@ class StepCost:
         self.profile = profile
         self.window = window
         self.seen: dict[int, deque[float]] = {}  # tokens in the forward -> seconds of recent steps, less the head
-        self.seen_at: dict[tuple[int, int], deque[float]] = {}  # (requests, window) -> the same
+        self.seen_at: dict[tuple[int, int], deque[float]] = {}  # (requests, tokens in the forward) -> the same
 
     def record(self, num_tokens: int, seconds: float, head_rows: int | None = None, num_reqs: int | None = None) -> None:
         """A step of num_reqs requests whose forward carried num_tokens tokens and whose LM head

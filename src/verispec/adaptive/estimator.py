@@ -91,7 +91,8 @@ class AcceptanceEstimator:
         return torch.sigmoid(z).tolist()
 
     def predict_many(self, features: list[list[list[float]] | None], depths: list[list[int]]) -> list[list[float]]:
-        """`predict` for a batch of drafts in one call (at 64 requests, 64 calls were 2% of a step)."""
+        """`predict` for a batch of drafts in one call (at 64 requests the policy's admit took 3.9-4.1 ms a
+        step with a call per draft, 2.4 ms with one)."""
         have = [f is not None and len(f) > 0 and len(f[0]) > 0 for f, d in zip(features, depths) if d]
         if not have or (any(have) and not all(have)):  # nothing drafted, or drafts with and without features
             return [self.predict(f, d) for f, d in zip(features, depths)]

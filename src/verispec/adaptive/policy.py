@@ -16,7 +16,7 @@ Planners: "greedy" (DSpark's Algorithm 1: current survivals, early stop) or "top
 the budget or window that was best by the previous step's survivals, filled by the current ones,
 as vLLM sizes its global top-B budget). Both serve sampled
 requests with drafts drawn at random; a step where nothing was (every request greedy, or every
-draft deterministic: the n-gram lookup) takes the best window by the current survivals, since
+draft deterministic: the n-gram lookup) takes the best plan by the current survivals, since
 then no admission rule can change the output.
 """
 
@@ -57,7 +57,7 @@ class AdaptiveDraftLength:
         self.estimator = AcceptanceEstimator(max_depth, refit_every)
         self.draft_cost = DraftCost()
         self._step_cost: StepCost | None = None
-        self._verify_started: tuple[int, int, int, float] | None = None  # (num_reqs, window, head rows, perf_counter)
+        self._verify_started: tuple[int, int, int, float] | None = None  # (num_reqs, forward tokens, head rows, perf_counter)
         self.steps = 0
         self.width = None  # the window chosen last step; packed: the most nodes one request got (None: no step yet)
         self._probe = False  # this step is a probe (budgets): it verifies at least one node per draft

@@ -237,8 +237,8 @@ def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos
         now = time.perf_counter() - t0
         left = {s.id for s in engine.waiting}
         for s in seqs:
-            if s.id in waiting and s.id not in left or (s.id not in waiting and s.id not in admitted):
-                admitted.setdefault(s.id, start)
+            if s.id in waiting and s.id not in left:  # every request starts in the queue
+                admitted[s.id] = start
             if s.id not in first and s.num_output:
                 first[s.id] = (now, s.num_output)
             if s.id not in end and s.finished:
