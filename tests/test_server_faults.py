@@ -8,6 +8,7 @@ never stall the event loop, a vanished client frees its slot, SIGTERM drains the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -343,6 +344,30 @@ def test_streams_carry_the_verispec_statistics_without_usage_too(srv):
         assert events[-1] == "[DONE]" and "usage" not in events[-2]
         assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-2]["verispec"]["target_forwards"] > 0
         assert not any("verispec" in e for e in events[:-2])
+
+
+def test_continuous_usage_counts_the_tokens_each_chunk_delivered(srv):
+    """stream_options.continuous_usage_stats (vLLM's extension): every chunk carries the usage so
+    far, rising to the final usage; it is what the server load sweep counts in its window."""
+    prompt_len = len(TOK(CODE).input_ids)
+    body = {"model": NAME, "prompt": CODE, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stream": True, "n": 2,
+            "logprobs": 0, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=T) as s:
+        events = sse_events(s)[:-1]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 24 and all(e["usage"]["prompt_tokens"] == prompt_len for e in events)
+    # each choice chunk's count = the logprob tokens delivered so far, over both choices
+    delivered = list(itertools.accumulate(len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"]))
+    assert [e["usage"]["completion_tokens"] for e in events if e["choices"]] == delivered
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=chat, timeout=T) as s:
+        events = sse_events(s)[:-1]
+    assert events[0]["usage"]["completion_tokens"] == 0 and events[-1]["usage"]["completion_tokens"] == 6
+    assert_openai_error(post(srv.url, "/v1/completions", {**body, "stream_options": {"continuous": True}}), 400,
+                        "continuous")
+    assert_openai_error(post(srv.url, "/v1/completions", {**body, "stream_options": {"include_usage": "yes"}}), 400,
+                        "include_usage")
 
 
 # ---- 6. chat stops on the turn-end token ----------------------------------------------------------

@@ -271,9 +271,10 @@ def markdown(report: dict, plots: list[str]) -> str:
                sampled_table(report["sampled_check"]), ""]
     if report["sweep"]:
         md += ["## Load sweep", "", "In-process points: one engine per point with max_batch_size = concurrency; the "
-               "measured requests (the prompts once, or one per slot) with as many again queued behind them, so a "
-               "finished request's slot goes to a waiting one; throughput by Little's law over the measured requests, "
-               "and with the drain until the last one finished. Points "
+               "prompts once (or one request per slot) and two waves more queued behind them, so a finished "
+               "request's slot goes to a waiting one; throughput: the tokens received between the first finish "
+               "and the last admission, over that window (every slot busy), and with the drain until the last "
+               "request finished. Points "
                "marked (server): a `verispec serve` process per method (max_batch_size = the largest level), "
                "requests streamed over HTTP with that many in flight; TTFT/TPOT measured at the client; output "
                "compared as text with the single-stream plain decoding.", "", sweep_table(report["sweep"]), ""]

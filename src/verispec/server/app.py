@@ -212,15 +212,17 @@ def create_app(engine: Engine, model_name: str, limits: ServerLimits | None = No
 
         if req.stream:
             async def chunks():
+                sent = [0] * len(handles)  # tokens each choice's chunks have carried
+
                 async def one(i, h):
-                    ts, n_tok, text_len = TextStream(tok, req.stop_list), 0, 0
+                    ts, text_len = TextStream(tok, req.stop_list), 0
                     async for delta, toks, finish in run_choice(h, ts):
-                        lp = legacy_logprobs(logprob_entries(h, n_tok, len(toks)), text_len)
-                        n_tok += len(toks)
+                        lp = legacy_logprobs(logprob_entries(h, sent[i], len(toks)), text_len)
+                        sent[i] += len(toks)
                         text_len += len(delta)
                         if delta or finish or lp:
-                            yield {**head, "choices": [{"index": i, "text": delta, "logprobs": lp,
-                                                        "finish_reason": finish}]}
+                            yield with_usage({**head, "choices": [{"index": i, "text": delta, "logprobs": lp,
+                                                                   "finish_reason": finish}]}, req, prompts, sent)
                 async for chunk in _merge([one(i, h) for i, h in enumerate(handles)]):
                     yield chunk
             return _sse_response(chunks(), handles, worker, metrics, req, head, prompts)
@@ -271,16 +273,18 @@ def create_app(engine: Engine, model_name: str, limits: ServerLimits | None = No
 
         if req.stream:
             async def chunks():
+                sent = [0] * len(handles)
+
                 async def one(i, h):
-                    yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]}
-                    ts, n_tok = TextStream(tok, req.stop_list), 0
+                    yield with_usage({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                           "logprobs": None, "finish_reason": None}]}, req, [prompt], sent)
+                    ts = TextStream(tok, req.stop_list)
                     async for delta, toks, finish in run_choice(h, ts):
-                        lp = chat_logprobs(logprob_entries(h, n_tok, len(toks)))
-                        n_tok += len(toks)
+                        lp = chat_logprobs(logprob_entries(h, sent[i], len(toks)))
+                        sent[i] += len(toks)
                         if delta or finish or lp:
-                            yield {**head, "choices": [{"index": i, "delta": {"content": delta} if delta else {},
-                                                        "logprobs": lp, "finish_reason": finish}]}
+                            yield with_usage({**head, "choices": [{"index": i, "delta": {"content": delta} if delta else {},
+                                                                   "logprobs": lp, "finish_reason": finish}]}, req, [prompt], sent)
                 async for chunk in _merge([one(i, h) for i, h in enumerate(handles)]):
                     yield chunk
             return _sse_response(chunks(), handles, worker, metrics, req, head, [prompt])
@@ -311,6 +315,15 @@ def create_app(engine: Engine, model_name: str, limits: ServerLimits | None = No
 
 class _ClientGone(Exception):
     """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+def with_usage(chunk: dict, req, prompts, sent: list[int]) -> dict:
+    """The chunk, with the usage so far when the request asked for stream_options.continuous_usage_stats
+    (completion tokens: those the stream's chunks have carried, to every choice)."""
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        p, c = sum(len(x) for x in prompts), sum(sent)
+        chunk["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return chunk
 
 
 def _usage(prompts, handles) -> dict:
@@ -371,7 +384,7 @@ def _sse_response(chunks, handles, worker, metrics, req, head, prompts) -> Strea
     the usage chunk (choices [], as OpenAI sends it), or, when stream_options.include_usage is
     false, the last chunk of the choices. An error ends the stream with an OpenAI-shaped error event
     and [DONE]; every handle is released however the stream ends."""
-    include_usage = (req.stream_options or {}).get("include_usage", True)
+    include_usage = req.stream_options is None or req.stream_options.include_usage
 
     async def body():
         last = None  # a choice's finishing chunk, held back so that the final one carries the statistics

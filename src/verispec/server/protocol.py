@@ -20,6 +20,15 @@ class BodyError(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
+class StreamOptions(BaseModel):
+    """include_usage: end the stream with a usage chunk (default on); continuous_usage_stats
+    (vLLM's extension): every chunk also carries the usage so far, the tokens the client has
+    received, which is what a load benchmark counts in a time window."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -32,7 +41,7 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     user: str | None = None
