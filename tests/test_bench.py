@@ -16,7 +16,7 @@ from verispec import prompts as P
 from verispec.bench import report as R
 from verispec.bench.metrics import Trace, equality, first_divergence, speedups, summarize
 from verispec.bench.peers import hf_methods
-from verispec.bench.runner import run_interleaved, run_sweep, steady_throughput, sweep_requests, verispec_methods
+from verispec.bench.runner import run_interleaved, run_sweep, sweep_requests, verispec_methods
 from verispec.drafters import NgramDrafter
 from verispec.sequence import SpecStats
 from verispec.verify import Verdict
@@ -209,7 +209,7 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     assert set(rep["peer_outputs_vs_verispec_plain"]) == {"hf plain", "hf pld:3"}  # peers only
     assert rep["exact_cost"][NG]["outputs_equal_normal"]["total"] == 6
     assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 12
-    assert not any("emitted" in r for p in rep["sweep"] for r in p["per_request"])  # used, then dropped
+    assert [p["measured_requests"] for p in rep["sweep"]] == [3, 3, 3, 3, 4, 4]
     assert all(len(p["throughput_rounds"]) == 2 for p in rep["sweep"])
     assert all(p["throughput_tok_s"] == pytest.approx(statistics.median(p["throughput_rounds"])) for p in rep["sweep"])
     assert all(p["drain_throughput_tok_s"] == pytest.approx(p["output_tokens"] / p["seconds"]) for p in rep["sweep"])
@@ -231,35 +231,48 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
     assert NG in R.console(rep)
 
 
-def test_sweep_queues_two_waves_behind_the_prompt_set(tiny):
+def test_sweep_requests_are_a_wave_the_measured_ones_and_a_wave_behind(tiny):
     _, _, prompts = tiny
     assert [p.id for p in sweep_requests(prompts, 1)] == ["toy/0", "toy/1", "toy/2", "toy/0", "toy/1"]
     assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2"] * 2 + ["toy/0"]
     assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2"] * 5
+    pool = [P.Prompt("toy", f"pool/{i}", "x", "completion", ["x"]) for i in range(20)]
+    assert [p.id for p in sweep_requests(prompts, 4, pool)] == [f"pool/{i}" for i in range(12)]  # 4 + 4 + 4
 
 
-def test_steady_throughput_is_the_tokens_between_the_first_finish_and_the_last_admission(tiny):
+def test_sweep_throughput_is_littles_law_over_the_requests_after_the_first_wave(tiny):
     """6 equal requests of 8 tokens and 2 slots, plain decoding: three waves in lockstep. The
-    window runs from the first wave's finish to the third wave's admission, so it holds the second
-    wave whole, its prefill included: 16 tokens over that time."""
-    from verispec.bench.runner import build_engine, engine_config, run_batch
+    measured requests are the second wave: 2 x their 16 tokens over their summed times from
+    admission to finish; the first wave (all prefilled at the start) and the third (the drain) are not."""
+    from verispec.bench.runner import build_engine, busy_throughput, engine_config, run_batch
 
     _, ours, prompts = tiny
     eng = build_engine(ours, None, engine_config("tiny", None, 0, "float32", False, 2, 64, policy="fixed"))
     seconds, rows, _ = run_batch(eng, [prompts[0]] * 6, 8)
     waves = [rows[0:2], rows[2:4], rows[4:6]]
     assert [len({r["admitted_s"] for r in w}) for w in waves] == [1, 1, 1]  # lockstep
-    start, stop = waves[0][0]["end_s"], waves[2][0]["admitted_s"]
-    assert waves[1][0]["admitted_s"] >= start and all(r["end_s"] <= stop for r in waves[1])
-    assert all(r["emitted"][-1] == (r["end_s"], 8) for r in rows)  # (seconds, tokens so far) per step
-    assert steady_throughput(rows) == pytest.approx(16 / (stop - start))
-    # by hand: only the second request receives tokens in the window (2, 3.5]: 12 - 1 of them
-    hand = [{"admitted_s": 0.0, "end_s": 2.0, "emitted": [(1.0, 1), (2.0, 10)]},
-            {"admitted_s": 0.0, "end_s": 4.0, "emitted": [(1.0, 1), (3.0, 12), (4.0, 20)]},
-            {"admitted_s": 3.5, "end_s": 5.0, "emitted": [(4.0, 1), (5.0, 10)]}]
-    assert steady_throughput(hand) == pytest.approx(11 / 1.5)
-    with pytest.raises(ValueError, match="one wave only"):
-        steady_throughput(hand[:2])
+    assert all(r["end_s"] <= waves[1][0]["admitted_s"] for r in waves[0])
+    assert busy_throughput(rows, 2, 2) == pytest.approx(2 * 16 / sum(r["end_s"] - r["admitted_s"] for r in waves[1]))
+    hand = [{"tokens": 10, "admitted_s": 0.0, "end_s": 2.0}, {"tokens": 20, "admitted_s": 2.0, "end_s": 4.0},
+            {"tokens": 10, "admitted_s": 2.0, "end_s": 3.0}, {"tokens": 5, "admitted_s": 3.0, "end_s": 9.0}]
+    assert busy_throughput(hand, 1, 2) == pytest.approx(30 / 3.0)
+    assert busy_throughput(hand, 2, 2) == pytest.approx(2 * 15 / 7.0)
+
+
+def test_sweep_pool_holds_distinct_prompts_the_runs_first():
+    from verispec.bench.cli import sweep_pool
+    from verispec.models import load_tokenizer
+
+    tok = load_tokenizer("gemma3-270m")
+    prompts = P.load(["mtbench", "humaneval"], limit=1)
+    for p in prompts:
+        p.ids = P.render(p, tok, "gemma3_text")
+    pool = sweep_pool(prompts, ["mtbench", "humaneval"], 9, tok, "gemma3_text", 400)
+    assert [p.id for p in pool[:2]] == [p.id for p in prompts] and len({p.id for p in pool}) == len(pool) == 9
+    assert [p.dataset for p in pool[2:6]] == ["mtbench", "humaneval"] * 2  # the datasets in turn
+    assert all(p.ids and len(p.ids) <= 400 for p in pool)
+    short = sweep_pool(prompts, ["mtbench", "humaneval"], 400, tok, "gemma3_text", 60)
+    assert all(len(p.ids) <= 60 for p in short[2:]) and len(short) < 400
 
 
 def test_llama_cpp_peer_through_a_stand_in_module(monkeypatch):

@@ -192,8 +192,8 @@ def cmd_bench(args) -> int:
         notes.append("every request generates exactly --max-tokens tokens (<eos> does not stop it; transformers: "
                      "eos_token_id=None, llama.cpp: its generator is not stopped at <eos>).")
     notes.append("speed numbers are measured in this run; nothing is cached between requests, except that "
-                 "requests with the same prompt admitted together prefill it once (the load sweep repeats prompts "
-                 "when the concurrency exceeds their number). Peers' tau = (tokens - 1) / (target forward calls - "
+                 "requests with the same prompt admitted together prefill it once (the load sweep draws distinct "
+                 "prompts, so that none repeats within a batch). Peers' tau = (tokens - 1) / (target forward calls - "
                  "1), counted with a forward hook (transformers) or per eval call (llama.cpp).")
 
     log(f"{len(methods)} methods x {len(prompts)} prompts x {args.rounds} rounds")
@@ -207,12 +207,15 @@ def cmd_bench(args) -> int:
                                     tag="" if args.quant[0] == "none" else f" [{args.quant[0]}]")
     sweep = []
     if args.concurrency:
+        pool = sweep_pool(prompts, args.datasets, max(2 * c + max(len(prompts), c) for c in args.concurrency),
+                          tok, model_type, max_len - args.max_tokens, args.sharegpt_n, args.seed)
+        log(f"load sweep: {len(pool)} distinct prompts")
         sweep_drafters = [None, *(args.sweep_drafters if args.sweep_drafters is not None else args.drafters)]
         sweep_drafters = [None if d in (None, "plain") else d for d in dict.fromkeys(sweep_drafters)]
         if "engine" in args.sweep_via:
             sweep += run_sweep(target, tok, args.model, sweep_drafters, args.num_draft_tokens, args.dtype,
                                args.modes[0], args.concurrency, prompts, args.max_tokens, max_len, ignore_eos,
-                               rounds=args.sweep_rounds, progress=log)
+                               rounds=args.sweep_rounds, progress=log, pool=pool)
         if "server" in args.sweep_via:
             from .server_sweep import run_server_sweep
 
@@ -220,7 +223,7 @@ def cmd_bench(args) -> int:
                 raise UserError("--sweep-via server always generates --max-tokens tokens (drop --stop-at-eos)")
             sweep += run_server_sweep(args.model, sweep_drafters, args.num_draft_tokens, args.dtype, args.concurrency,
                                       prompts, args.max_tokens, max_len, args.sweep_rounds, args.threads, progress=log,
-                                      quant=args.quant[0])
+                                      quant=args.quant[0], pool=pool)
     config = {
         "model": args.model, "model_type": model_type, "hf_folder": str(hf_folder(args.model)), "dtype": args.dtype,
         "quant": args.quant,
@@ -306,3 +309,27 @@ def _fill_second_turns(prompts, target, tok, model_type, args, longest: int) -> 
     for p, s in zip(todo, seqs):
         p.answers = [tok.decode(s.output_ids, skip_special_tokens=True).strip()]
         p.ids = P.render(p, tok, model_type)
+
+
+def sweep_pool(prompts: list, datasets: list[str], needed: int, tok, model_type: str, max_prompt: int,
+               sharegpt_n: int = 80, seed: int = 0) -> list:
+    """The load sweep's prompts: the run's single-turn ones first (their batched outputs are checked
+    against single-stream plain decoding), then the datasets' other first turns, taken from each
+    dataset in turn, up to `needed` (or all there are), each at most `max_prompt` tokens. Distinct
+    prompts keep plain decoding's lockstep waves from prefilling repeated prompts once for several
+    requests, which staggered speculative requests cannot (`runner.sweep_requests`)."""
+    from .. import prompts as P
+
+    pool = [p for p in prompts if len(p.turns) == 1]
+    seen = {p.id for p in pool}
+    rest = [[p for p in P.load([d], sharegpt_n=sharegpt_n, seed=seed) if p.id not in seen and len(p.turns) == 1]
+            for d in datasets]
+    for i in range(max((len(r) for r in rest), default=0)):
+        for r in rest:
+            if len(pool) >= needed:
+                return pool
+            if i < len(r):
+                r[i].ids = P.render(r[i], tok, model_type)
+                if len(r[i].ids) <= max_prompt:
+                    pool.append(r[i])
+    return pool

@@ -31,11 +31,11 @@ DEFINITIONS = {
                "round totals; reported as median [min, max] over rounds; per-prompt speed-up: the median over "
                "rounds of each prompt's ratio, then median [min, max] over prompts",
     "identical": "greedy: output token ids equal the plain decoding's token for token (same engine, same round)",
-    "throughput_tok_s": "load sweep: output tokens received between the first request's finish and the last "
-                        "request's admission / that window, with max(prompts, concurrency) + 2 x concurrency "
-                        "requests so that every slot stays busy over at least one whole wave; Engine with "
-                        "max_batch_size = concurrency, or that many streams in flight to the server (tokens "
-                        "counted per chunk: stream_options.continuous_usage_stats)",
+    "throughput_tok_s": "load sweep: concurrency x output tokens / summed time from admission to finish of the "
+                        "max(prompts, concurrency) requests after a first wave of concurrency, with concurrency "
+                        "more queued behind them so that every slot stays busy while they run (Little's law); "
+                        "distinct prompts; Engine with max_batch_size = concurrency, or that many streams in "
+                        "flight to the server",
     "drain_throughput_tok_s": "load sweep: all output tokens / wall time until the last request finished (the "
                               "drain included, where the batch shrinks to the slowest requests)",
     "per_user_tok_s": "load sweep: median over requests of 1 / TPOT (decode speed one user sees)",

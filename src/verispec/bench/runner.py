@@ -8,7 +8,6 @@ per prompt and round (metrics.py).
 
 from __future__ import annotations
 
-import bisect
 import statistics
 import time
 import zlib
@@ -163,18 +162,15 @@ class SweepPoint:
     tau: float
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of every round, in order
 
-    @classmethod
-    def measure(cls, concurrency: int, seconds: float, rows: list[dict], tau: float) -> "SweepPoint":
-        """A run's point: its steady throughput, then the rows without their per-step token counts."""
-        busy = steady_throughput(rows)
-        for r in rows:
-            del r["emitted"]
-        return cls("", concurrency, len(rows), sum(x["tokens"] for x in rows), seconds, rows, tau, [busy])
+    measured: int = 0  # the requests after the first wave the throughput is measured on
 
     @property
     def throughput(self) -> float:
-        """Tokens per second with every slot busy (`steady_throughput`); with several rounds, their median."""
-        return statistics.median(self.throughput_rounds)
+        """Tokens per second with `concurrency` requests in flight (`busy_throughput`); with
+        several rounds, their median."""
+        if self.throughput_rounds:
+            return statistics.median(self.throughput_rounds)
+        return busy_throughput(self.per_request, self.concurrency, self.measured)
 
     @property
     def drain_throughput(self) -> float:
@@ -188,66 +184,60 @@ class SweepPoint:
         return {"method": self.method, "concurrency": self.concurrency, "requests": self.requests,
                 "output_tokens": self.output_tokens, "seconds": self.seconds, "throughput_tok_s": self.throughput,
                 "throughput_rounds": self.throughput_rounds or [self.throughput],
-                "drain_throughput_tok_s": self.drain_throughput,
+                "drain_throughput_tok_s": self.drain_throughput, "measured_requests": self.measured,
                 "tau": self.tau, "tpot_ms": spread([x * 1e3 for x in tpots]),
                 "per_user_tok_s": spread([1 / x for x in tpots]),
                 "ttft_ms": spread([r["ttft_s"] * 1e3 for r in self.per_request]),
                 "per_request": self.per_request}
 
 
-def sweep_requests(prompts: list[Prompt], concurrency: int) -> list[Prompt]:
-    """The prompts repeated in order: the prompt set once or one per slot, then two waves more
-    (`concurrency` each), so that every slot stays busy from the first finish to the last
-    admission over at least one whole wave (`steady_throughput`)."""
-    n = max(len(prompts), concurrency) + 2 * concurrency
-    return (prompts * -(-n // len(prompts)))[:n]
+def sweep_requests(prompts: list[Prompt], concurrency: int, pool: list[Prompt] | None = None) -> list[Prompt]:
+    """A level's requests, the prompts of `pool` (default: `prompts`) in order, repeated if need
+    be: a first wave of `concurrency`, then the measured ones (as many as the run's prompts, or
+    one per slot), then `concurrency` more to keep every slot busy while they run (`busy_throughput`).
+
+    The pool should hold distinct prompts enough that none repeats within a batch: requests with
+    the same prompt admitted together prefill it once (parallel sampling's twins), which plain
+    decoding's lockstep waves got for free with 4 prompts repeated, and staggered speculative
+    requests did not (at 16 streams: 9 prefill steps for 48 requests against 20)."""
+    n = concurrency + measured_requests(len(prompts), concurrency) + concurrency
+    source = pool or prompts
+    return (source * -(-n // len(source)))[:n]
 
 
-def steady_throughput(rows: list[dict]) -> float:
-    """Tokens per second with every slot busy: the tokens the requests received between the first
-    finish and the last admission, over that window. Each row carries `emitted`, its
-    (seconds, tokens received so far) after every step or streamed chunk.
+def measured_requests(num_prompts: int, concurrency: int) -> int:
+    return max(num_prompts, concurrency)
 
-    Before the first finish, every request of the first wave waits for the whole first wave's
-    prefill; after the last admission the batch drains. In between the load is the steady one a
-    server sees: plain decoding in lockstep runs whole waves there (a wave's prefill, then its
-    decode steps: `sweep_requests` queues enough for one at least), a speculative method
-    finishes requests at different steps and prefills their successors between them.
 
-    Two measures this replaces were biased against speculation. The drain (all tokens over the
+def busy_throughput(rows: list[dict], concurrency: int, measured: int) -> float:
+    """Throughput with `concurrency` requests in flight, by Little's law over the measured requests
+    (the `measured` after the first wave): concurrency x their tokens over the sum of their times
+    from admission to finish. Every slot is busy while they run (a wave queued behind them), and
+    every one of them runs in the steady mix, where a request's life overlaps about `concurrency`
+    prefills of others, in lockstep (plain decoding) or staggered (speculation).
+
+    Three measures this replaces were biased against speculation. The drain (all tokens over the
     time until the last finish): a speculative method gets there with its fast requests done,
-    plain decoding in lockstep. Little's law over the first wave's requests (tokens over the sum
-    of their admission-to-finish times): the first wave pays its own prefill in every method, but
-    under speculation also the prefills of the successors of its early finishers, which plain
-    decoding runs after the wave is done. At 16 streams (Gemma 3 270M, 2 cores, prompts of about
-    150 tokens) that put the adaptive policy at 0.90x plain while its full-batch steps emitted
-    1.26x plain's tokens per second."""
-    start = min(r["end_s"] for r in rows)
-    stop = max(r["admitted_s"] for r in rows)
-    if stop <= start:
-        raise ValueError("no request was admitted after the first finished: the run had one wave "
-                         "only (sweep_requests queues enough)")
-    got = sum(_received(r["emitted"], stop) - _received(r["emitted"], start) for r in rows)
-    return got / (stop - start)
-
-
-def _received(emitted: list[tuple[float, int]], t: float) -> int:
-    """Tokens received by time t (emitted: (seconds, tokens so far), in time order)."""
-    i = bisect.bisect_right([x for x, _ in emitted], t)
-    return emitted[i - 1][1] if i else 0
+    plain decoding in lockstep. Little's law over the first wave: it pays its own prefill in every
+    method, but under speculation also the prefills of its early finishers' successors, which plain
+    decoding runs once the wave is done. The tokens received between the first finish and the last
+    admission: for plain decoding that window holds whole waves, but for a method nearly in
+    lockstep the prefill bursts of two waves and the decoding of about one."""
+    first = rows[concurrency : concurrency + measured]
+    seconds = sum(r["end_s"] - r["admitted_s"] for r in first)
+    return concurrency * sum(r["tokens"] for r in first) / seconds if seconds > 0 else 0.0
 
 
 def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True
               ) -> tuple[float, list[dict], SpecStats]:
     """Add every request, step until all are done; per-request admission (the start of the step
-    that gave it a slot), first-token and finish times, and the tokens it had after each step."""
+    that gave it a slot), first-token and finish times."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     seqs = [engine.add_request(p.ids, sp) for p in prompts]
     first: dict[int, tuple[float, int]] = {}
     end: dict[int, float] = {}
     admitted: dict[int, float] = {}
-    emitted: dict[int, list[tuple[float, int]]] = {s.id: [] for s in seqs}
     while engine.has_work:
         waiting = {s.id for s in engine.waiting}
         start = time.perf_counter() - t0
@@ -257,8 +247,6 @@ def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos
         for s in seqs:
             if s.id in waiting and s.id not in left:  # every request starts in the queue
                 admitted[s.id] = start
-            if s.num_output and (not emitted[s.id] or emitted[s.id][-1][1] != s.num_output):
-                emitted[s.id].append((now, s.num_output))
             if s.id not in first and s.num_output:
                 first[s.id] = (now, s.num_output)
             if s.id not in end and s.finished:
@@ -272,15 +260,16 @@ def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos
         n = s.num_output - n0
         rows.append({"prompt": p.id, "tokens": s.num_output, "seconds": end[s.id], "ttft_s": ttft,
                      "tpot_s": (end[s.id] - ttft) / n if n > 0 else None, "output_ids": list(s.output_ids),
-                     "admitted_s": admitted[s.id], "end_s": end[s.id], "emitted": emitted[s.id]})
+                     "admitted_s": admitted[s.id], "end_s": end[s.id]})
     return seconds, rows, total
 
 
 def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int, dtype: str, mode: str,
               concurrency: list[int], prompts: list[Prompt], max_tokens: int, max_model_len: int,
               ignore_eos: bool = True, factories: dict | None = None, rounds: int = 1,
-              progress: Callable[[str], None] | None = None) -> list[SweepPoint]:
+              progress: Callable[[str], None] | None = None, pool: list[Prompt] | None = None) -> list[SweepPoint]:
     """Each drafter (None = plain) at each concurrency; the engine is built once per point and warmed up.
+    The requests come from `pool` (default: the prompts; `sweep_requests`).
     A method's draft-length policy lives through the whole sweep, as it does in a server process
     while the load changes: what an adaptive policy learned at one level (acceptance, the step
     cost by forward size) it keeps at the next, instead of learning it again in every 30-step
@@ -292,7 +281,7 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
     tag = " [exact]" if exact else ""
     for r in range(rounds):
         for c in concurrency:
-            reqs = sweep_requests(prompts, c)
+            reqs = sweep_requests(prompts, c, pool)
             j = (r + concurrency.index(c)) % len(drafters)
             for spec in drafters[j:] + drafters[:j]:
                 drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
@@ -302,7 +291,8 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
                     policies[spec] = eng.policy
                 run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
                 seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
-                point = SweepPoint.measure(c, seconds, rows, st.tau)
+                point = SweepPoint("", c, len(rows), sum(x["tokens"] for x in rows), seconds, rows, st.tau,
+                                   measured=measured_requests(len(prompts), c))
                 runs.setdefault((spec, c), []).append(point)
                 if progress:
                     name = f"{spec}{tag}" if spec else f"plain{tag}"

@@ -3,12 +3,12 @@
 One `verispec serve` process per method (plain = `--drafter none`), all started before the sweep
 and alive together, so each level and round runs every method back to back in a rotated order and
 machine noise hits them alike (an idle server costs no CPU). At each concurrency level the same
-requests as the in-process sweep (`runner.sweep_requests`: three waves at least, the run's prompts
-repeated) are streamed with that many in flight at once (greedy, `ignore_eos`, token-id prompts);
-time to first token and time per output token are measured at the client, tau from the server's
-Prometheus counters over the level. Throughput is `runner.steady_throughput`: the tokens the
-client received (each chunk carries the usage so far: stream_options.continuous_usage_stats)
-between the first finish and the last send; the drain is reported apart.
+requests as the in-process sweep (`runner.sweep_requests`: a first wave, the measured requests and
+a wave behind them, from the sweep's pool of distinct prompts) are streamed with that many in flight
+at once (greedy, `ignore_eos`, token-id prompts); time to first token and time per output token are
+measured at the client, tau from the server's Prometheus counters over the level. Throughput is
+`runner.busy_throughput` over the measured requests' send and finish times at the client; the
+drain is reported apart.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import httpx
 from ..server.process import ServerProcess
 from .metrics import spread
 from ..prompts import Prompt
-from .runner import parse_method_spec, steady_throughput, sweep_requests
+from .runner import busy_throughput, measured_requests, parse_method_spec, sweep_requests
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], max_tokens: int) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first, tokens, text, emitted = None, 0, [], []
+    first, tokens, text = None, 0, []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"server answered {r.status_code}: {(await r.aread()).decode()[:500]}")
@@ -44,13 +44,11 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, ids: list[int], 
                 text.append(chunk["choices"][0]["text"])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-                if tokens and (not emitted or emitted[-1][1] != tokens):
-                    emitted.append((time.perf_counter(), tokens))
     end = time.perf_counter()
     first = first or end
     return {"tokens": tokens, "seconds": end - t0, "ttft_s": first - t0,
             "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None, "text": "".join(text),
-            "start": t0, "end": end, "emitted": emitted}
+            "start": t0, "end": end}
 
 
 async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max_tokens: int) -> tuple[float, list]:
@@ -67,7 +65,6 @@ async def _level(url: str, model: str, reqs: list[Prompt], concurrency: int, max
         seconds = time.perf_counter() - t0
         for x in rows:
             x["admitted_s"], x["end_s"] = x.pop("start") - t0, x.pop("end") - t0
-            x["emitted"] = [(t - t0, n) for t, n in x["emitted"]]
         return seconds, rows
 
 
@@ -83,7 +80,7 @@ def _counters(url: str) -> dict[str, float]:
 def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str, concurrency: list[int],
                      prompts: list[Prompt], max_tokens: int, max_model_len: int, rounds: int = 1,
                      threads: int | None = None, progress: Callable[[str], None] | None = None,
-                     quant: str = "none") -> list[dict]:
+                     quant: str = "none", pool: list[Prompt] | None = None) -> list[dict]:
     """Sweep points (the in-process sweep's dict shape, `"via": "server"`), medians over rounds."""
     names = {spec: f"{spec or 'plain'} (server)" for spec in drafters}
     servers = {}
@@ -100,16 +97,14 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
         runs: dict[tuple, list] = {}
         for r in range(rounds):
             for c in concurrency:
-                reqs = sweep_requests(prompts, c)
+                reqs = sweep_requests(prompts, c, pool)
                 order = list(servers)
                 j = (r + concurrency.index(c)) % len(order)
                 for spec in order[j:] + order[:j]:
                     url = servers[spec].url
                     before = _counters(url)
                     seconds, rows = asyncio.run(_level(url, model, reqs, c, max_tokens))
-                    busy = steady_throughput(rows)
-                    for x in rows:
-                        del x["emitted"]
+                    busy = busy_throughput(rows, c, measured_requests(len(prompts), c))
                     after = _counters(url)
                     fwd = after.get("verispec:spec_decode_num_target_forwards_total", 0) - \
                         before.get("verispec:spec_decode_num_target_forwards_total", 0)
@@ -135,7 +130,7 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
             "output_tokens": tokens, "seconds": seconds,
             "throughput_tok_s": statistics.median(th for _, _, _, th in reps),
             "throughput_rounds": [th for _, _, _, th in reps],
-            "drain_throughput_tok_s": tokens / seconds,
+            "drain_throughput_tok_s": tokens / seconds, "measured_requests": measured_requests(len(prompts), c),
             "tau": statistics.median(taus) if taus else None,
             "tpot_ms": spread([x * 1e3 for x in tpots]), "per_user_tok_s": spread([1 / x for x in tpots]),
             "ttft_ms": spread([x["ttft_s"] * 1e3 for x in rows]),
