@@ -259,6 +259,25 @@ def test_sweep_throughput_is_littles_law_over_the_requests_after_the_first_wave(
     assert busy_throughput(hand, 2, 2) == pytest.approx(2 * 15 / 7.0)
 
 
+def test_sweep_outputs_outside_the_single_stream_prompts_are_checked_against_batched_plain():
+    from verispec.bench.metrics import Trace
+
+    def point(method, via, outs):
+        rows = [{"prompt": pid, "output_ids": ids, "text": str(ids), "tokens": len(ids), "tpot_s": 0.1, "ttft_s": 0.1}
+                for pid, ids in outs.items()]
+        return {"method": method, "via": via, "concurrency": 2, "per_request": rows}
+
+    single = Trace("plain", "a", "toy", "x", 0, 3, [1, 2], 1.0, 0.1, 1, 2, None)
+    sweep = [point("plain", None, {"a": [1, 2], "b": [3, 4]}), point("ngram", None, {"a": [1, 2], "b": [3, 5]}),
+             point("plain (server)", "server", {"a": [1, 2], "b": [3, 4]}),
+             point("ngram (server)", "server", {"a": [1, 2], "b": [3, 4]})]
+    rep = R.build([single], [], [], {"model": "toy"}, sweep, env={"x": 1}, decode=str)
+    got = [p["identical_to_single_stream_plain"] for p in rep["sweep"]]
+    # plain: only "a" has a single-stream reference; ngram's "b" differs from batched plain's
+    assert got == [{"identical": 1, "total": 1}, {"identical": 1, "total": 2},
+                   {"identical": 1, "total": 1}, {"identical": 2, "total": 2}]
+
+
 def test_sweep_pool_holds_distinct_prompts_the_runs_first():
     from verispec.bench.cli import sweep_pool
     from verispec.models import load_tokenizer
