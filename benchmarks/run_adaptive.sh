@@ -2,8 +2,9 @@
 # Adaptive verification under load: concurrency 1, 2, 4, 8, 16, 32, 64 through the engine in process
 # and through `verispec serve` over HTTP; plain decoding, the n-gram drafter with fixed k = 1, 3, 5, 7,
 # and the adaptive policy (k <= 7). Gemma 3 270M bf16, greedy, 64 streamed tokens per request; the
-# first LIMIT MT-Bench + LIMIT HumanEval prompts, repeated to fill the batch. Every output is checked
-# against single-stream plain decoding. Throughput against per-user speed is plotted in load_sweep.png.
+# single-stream part on the first LIMIT MT-Bench + LIMIT HumanEval prompts, the sweep on distinct
+# prompts from both sets (those first). Every output is checked against plain decoding (single-stream,
+# or batched at the same level). Throughput against per-user speed is plotted in load_sweep.png.
 #
 # The verify cost profile is measured first on the idle machine (`verispec profile --remeasure`), so
 # that the adaptive runs plan with the costs of this machine at rest.

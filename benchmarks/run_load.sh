@@ -2,9 +2,9 @@
 # The load benchmark: concurrency 1, 2, 4, 8, 16, 32 through the continuous-batching engine in process
 # and through `verispec serve` over HTTP (one server process per method, all alive together, methods
 # rotated per level), plain decoding and the n-gram drafter (k = 5), Gemma 3 270M bf16, greedy,
-# 64 streamed tokens per request; the first LIMIT MT-Bench + LIMIT HumanEval prompts, repeated to fill
-# the batch. Every output is checked against single-stream plain decoding (token ids in process, text
-# over HTTP). Throughput vs per-user speed is plotted in load_sweep.png.
+# 64 streamed tokens per request; the single-stream part on the first LIMIT MT-Bench + LIMIT HumanEval
+# prompts, the sweep on distinct prompts from both sets (those first). Every output is checked against
+# plain decoding, single-stream or batched at the same level (token ids in process, text over HTTP). Throughput vs per-user speed is plotted in load_sweep.png.
 #
 # The results in BENCHMARKS.md: `OUT=benchmarks/results/load benchmarks/run_load.sh` (about 11 minutes).
 set -euo pipefail
