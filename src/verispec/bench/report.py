@@ -185,7 +185,7 @@ def sweep_table(sweep: list[dict]) -> str:
              _f(p["tau"]), ident(p)]
             for p in sweep]
     return table(["method", "concurrency", "requests", "throughput tok/s", "with the drain tok/s", "per-user tok/s",
-                  "TPOT ms", "tau", "identical to single-stream plain"], rows)
+                  "TPOT ms", "tau", "identical to plain (single-stream, else batched)"], rows)
 
 
 def acceptance_table(summary: dict) -> str:

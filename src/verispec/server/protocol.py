@@ -23,7 +23,7 @@ class BodyError(ValueError):
 class StreamOptions(BaseModel):
     """include_usage: end the stream with a usage chunk (default on); continuous_usage_stats
     (vLLM's extension): every chunk also carries the usage so far, the tokens the client has
-    received, which is what a load benchmark counts in a time window."""
+    received by then."""
     model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool = True
     continuous_usage_stats: bool = False
