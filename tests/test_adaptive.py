@@ -495,6 +495,69 @@ def test_where_nothing_pays_probe_steps_still_verify_and_come_ever_rarer(draftin
     assert seqs[0].stats.drafted == len(verified) == policy.estimator.observations
 
 
+def test_a_packed_probe_verifies_the_surest_requests_that_a_quarter_of_a_step_pays_for():
+    """Where every token costs what a request's plain step costs (a CPU at high load), no node pays
+    and the planner verifies nothing; the probe step after it verifies the best node of the two
+    surest requests (8 requests: 8 x 1.25 = 10 tokens), not one node of each of the 8."""
+    from verispec.sequence import Sequence
+
+    policy = AdaptiveDraftLength(CostProfile([1, 64], [1.0, 64.0]), max_depth=2)
+    policy.step_cost.record = lambda *a, **kw: None
+    policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator(), num_draft_tokens=2) for i in range(8)]
+    surety = [0.5, 2.0, -1.0, 3.0, 0.0, 1.0, -2.0, 1.5]  # logits of acceptance: requests 3 and 1 are the surest
+    verified = []
+    for step in range(2):
+        assert policy.budgets(seqs, 2) == [2] * 8
+        drafts = [Draft([4, 5], features=[[f], [f]]) for f in surety]
+        out = policy.admit(seqs, drafts, 0.0)
+        verified.append([r for r, d in enumerate(out) for _ in d.tokens])
+        policy.observe(seqs, out, [Verdict(d.tokens[:1] or [9], 0, []) for d in out])
+    assert verified == [[], [1, 3]]
+    assert policy._probe
+
+
+@pytest.mark.parametrize("planner", ["greedy", "topb"])
+def test_a_plan_must_beat_plain_decoding_by_the_margin(planner):
+    """One request, one node, a verify of 2 tokens costing 1.5 plain steps: a node accepted with
+    chance 0.53 makes the step 2% faster than plain decoding (1.53 / 1.5), within the margin, so it
+    is not verified; one at 0.58 (5% faster) is."""
+    from verispec.sequence import Sequence
+
+    for chance, verified in [(0.53, 0), (0.58, 1)]:
+        policy = AdaptiveDraftLength(CostProfile([1, 2], [1.0, 1.5]), planner, max_depth=1)
+        policy.step_cost.record = lambda *a, **kw: None
+        policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator(), num_draft_tokens=1)
+        policy.budgets([seq], 1)
+        out = policy.admit([seq], [Draft([4], features=[[logit_(chance)]])], 0.0)
+        assert len(out[0].tokens) == verified, chance
+
+
+def test_a_cheap_drafter_whose_drafts_were_not_worth_verifying_looks_again_every_few_steps():
+    """Drafting that costs 1.5% of a plain step, where nothing pays: after a step that verified
+    nothing, the drafter drafts every 3rd step (keeping fruitless drafting under 0.5% of the
+    time), and on the probe steps (2, 10, 26: 8, 16, ... steps after the last verified one)."""
+    from verispec.sequence import Sequence
+
+    class Cost(C.DraftCost):
+        def __call__(self, num_reqs):
+            return 0.015  # a plain step costs 1.0 (the profile at 1 token)
+
+    policy = AdaptiveDraftLength(CostProfile([1, 2, 64], [1.0, 10.0, 320.0]), max_depth=4)
+    policy.draft_cost = Cost()
+    policy.step_cost.record = lambda *a, **kw: None
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=200), torch.Generator(), num_draft_tokens=4)
+    drafted = []
+    for step in range(1, 31):
+        k = policy.budgets([seq], 4)[0]
+        if k:
+            drafted.append(step)
+        out = policy.admit([seq], [Draft([4] * k, features=[[0.0]] * k)], 0.0)
+        policy.observe([seq], out, [Verdict(out[0].tokens[:1] or [9], 0, [])])
+    assert drafted == [1, 2, 5, 8, 10, 13, 16, 19, 22, 25, 26, 29], drafted
+
+
 def test_profile_records_the_tokens_its_forwards_carry_and_repeats_round_the_grid(monkeypatch):
     target = ours_from_hf(build_hf("llama", seed=0))
     calls = []

@@ -22,6 +22,7 @@ then no admission rule can change the output.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -37,15 +38,29 @@ PLANNERS = ("greedy", "topb")
 
 
 class AdaptiveDraftLength:
-    # While nothing pays, probe steps verify one token per request whatever the planner says
-    # (otherwise a policy that starts, or lands, where its estimates say nothing pays would never
-    # see a verdict again). The interval from the last verified window to a probe starts at 8 and
-    # doubles with every probe, up to 256, over the policy's life: probing costs little where
-    # speculation really does not pay (at 64 requests a probe step costs about 1.8 plain steps),
-    # and where it does the planner verifies windows itself. A dear drafter drafts only on probes.
+    # While nothing pays, probe steps verify a token whatever the planner says (otherwise a policy
+    # that starts, or lands, where its estimates say nothing pays would never see a verdict again).
+    # The interval from the last verified window to a probe starts at 8 and doubles with every
+    # probe, up to 256, over the policy's life. A packed probe verifies the best node of as many
+    # requests as fit in PROBE_SHARE more than the plain step costs, at least one: a verdict per
+    # request is not needed to fit a slope and intercepts, and at 64 requests on a 2-core CPU,
+    # where a step's cost grows with every token, a probe of one token per request cost 2.5 plain
+    # steps. A dear drafter drafts only on probes.
     PROBE_EVERY = 8
     PROBE_MAX = 256
-    CHEAP_DRAFT = 0.05  # drafting under 5% of a plain step's time: always draft the full k
+    PROBE_SHARE = 0.25
+    CHEAP_DRAFT = 0.05  # drafting under 5% of a plain step's time: draft the full k
+    # A cheap drafter whose last draft was not worth verifying drafts again ("looks") only as often
+    # as keeps such fruitless drafting under LOOK_SHARE of the decode time: every step at 1 request
+    # (the n-gram lookup costs 0.1 ms against a 50 ms step), every 4th at 64 (6 of 307 ms, 2% of
+    # every step where the planner verified nothing, which at 64 requests is nearly every step).
+    LOOK_SHARE = 0.005
+    # A plan is the best of many estimates, so its estimate is biased up (the optimizer's curse);
+    # where a step's cost grows with every token (64 requests on a 2-core CPU) the best plans are
+    # within a few percent of plain decoding. In one traced run at 64 requests, the 36 steps whose
+    # plan was predicted 0-2% faster than plain decoding ran at 0.96x its speed (median), the 31
+    # predicted 2-6% faster at 1.00x. So a plan must beat plain decoding by MARGIN.
+    MARGIN = 0.03
     SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
     def __init__(self, profile: "CostProfile | Callable[[], CostProfile]", planner: str = "greedy",
@@ -63,6 +78,7 @@ class AdaptiveDraftLength:
         self._probe = False  # this step is a probe (budgets): it verifies at least one node per draft
         self._probe_every = self.PROBE_EVERY
         self._next_probe = 0
+        self._last_draft = 0  # the step that last drafted
         self._stale: int | None = None  # topb: the best window or budget by last step's survivals
         self.packed_chains = True  # the engine verifies chains packed (set by the engine: CPU yes, else padded)
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
@@ -84,9 +100,10 @@ class AdaptiveDraftLength:
     def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
         """How many nodes each request may draft: its own k when drafting is cheap (under
         CHEAP_DRAFT of a plain step: the n-gram lookup), since the planner then chooses among the
-        drafted nodes at almost no cost. A dear drafter (a model's forward per node) drafts at most
-        two more than last step's window, and nothing after a step that verified nothing, but on
-        probe steps. Only past steps decide this."""
+        drafted nodes at almost no cost; after a step that verified nothing, only every
+        `look_every` steps. A dear drafter (a model's forward per node) drafts at most two more
+        than last step's window, and nothing after a step that verified nothing. Probe steps
+        draft the full k. Only past steps decide this."""
         self.steps += 1
         self._probe = self.width == 0 and self.steps >= self._next_probe
         if self._probe:
@@ -95,12 +112,19 @@ class AdaptiveDraftLength:
         elif self.width:  # a verified window gave verdicts: the next probe is an interval from here
             self._next_probe = self.steps + self._probe_every
         n = len(seqs)
-        if self.width is None or self._probe or self.draft_cost(n) <= self.CHEAP_DRAFT * self.step_cost(n):
-            adaptive_cap = cap  # (the step cost, medians over every seen count, is read only when it decides)
-        else:
-            adaptive_cap = min(cap, self.width + 2) if self.width else 0
-        return [max(0, min(s.num_draft_tokens, cap if pinned(s) else adaptive_cap, s.params.max_tokens - s.num_output - 1))
-                for s in seqs]
+        if self.width is None or self._probe:
+            adaptive_cap = cap
+        else:  # (the step cost, medians over every seen count, is read only when it decides)
+            draft, step = self.draft_cost(n), self.step_cost(n)
+            if draft <= self.CHEAP_DRAFT * step:
+                adaptive_cap = cap if self.width or self.steps - self._last_draft >= look_every(draft, step, self.LOOK_SHARE) else 0
+            else:
+                adaptive_cap = min(cap, self.width + 2) if self.width else 0
+        out = [max(0, min(s.num_draft_tokens, cap if pinned(s) else adaptive_cap, s.params.max_tokens - s.num_output - 1))
+               for s in seqs]
+        if any(out):
+            self._last_draft = self.steps
+        return out
 
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
         self.last_drafted = sum(len(d.tokens) for d in drafts)
@@ -131,7 +155,8 @@ class AdaptiveDraftLength:
         return out
 
     def _choose(self, theta: list[float], exact: bool) -> int:
-        """The planner's pick among the plans scored by theta (windows, or packed budgets)."""
+        """The planner's pick among the plans scored by theta (windows, or packed budgets); plain
+        decoding (0) unless the pick beats it by MARGIN."""
         if exact:
             choice = self._stale = argmax(theta)
         elif self.planner == "greedy":
@@ -140,7 +165,7 @@ class AdaptiveDraftLength:
             best = argmax(theta)
             choice = best if self._stale is None else min(self._stale, len(theta) - 1)
             self._stale = best  # used next step only: its survivals are then history
-        return choice
+        return choice if theta[choice] >= (1 + self.MARGIN) * theta[0] else 0
 
     def _plan_packed(self, surv, pins, drafts, exact) -> list[list[int]]:
         """Packed chains (engine._chain_forward): a step costs what its N + B tokens cost, so the
@@ -154,11 +179,16 @@ class AdaptiveDraftLength:
         budget = self._choose(theta, exact)
         kept = keep_best(free, budget, self.SURVIVAL_FLOOR)
         self.width = max(len(k) for k in kept)
+        if self._probe and not budget:  # the best node of as many requests as PROBE_SHARE pays for
+            firsts = [(r, request_order(sv)[0]) for r, sv in enumerate(free) if sv]
+            firsts.sort(key=lambda ri: -free[ri[0]][ri[1]])
+            costs = self.step_cost.costs(n, [base + m for m in range(len(firsts) + 1)])
+            m = max(1, sum(1 for c in costs[1:] if c <= (1 + self.PROBE_SHARE) * costs[0])) if firsts else 0
+            for r, i in firsts[:m]:
+                kept[r] = [i]
         for r, (sv, p) in enumerate(zip(surv, pins)):
             if p:
                 kept[r] = list(range(len(sv)))
-            elif self._probe and sv and not kept[r]:
-                kept[r] = [request_order(sv)[0]]
         return kept
 
     def _plan_window(self, surv, pins, drafts, exact) -> list[list[int]]:
@@ -194,6 +224,11 @@ class AdaptiveDraftLength:
             depths = d.depths()
             self.estimator.observe(feats, [depths[i] for i in idx], labels, [conf[i] for i in idx])
         self.estimator.end_step()
+
+
+def look_every(draft_seconds: float, step_seconds: float, share: float) -> int:
+    """Steps between fruitless drafts that keep their cost under `share` of the decode time."""
+    return max(1, math.ceil(draft_seconds / max(share * step_seconds, 1e-12)))
 
 
 def pinned(seq: Sequence) -> bool:
