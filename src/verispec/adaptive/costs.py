@@ -269,7 +269,7 @@ class StepCost:
     window of 1 at well under the 1.8 plain steps it costs, and the tries cost the adaptive policy
     a quarter of plain decoding's throughput in one sweep (161 against 213 tok/s). The profile is
     now measured in rounds over the whole grid (`measure`), which keeps a burst of other work from
-    bending its shape, and probe steps (policy.py) verify a window of 1 wherever nothing is chosen.
+    bending its shape, and probe steps (policy.py) verify some nodes wherever nothing is chosen.
     """
 
     MIN_SEEN = 2
