@@ -498,12 +498,14 @@ def test_where_nothing_pays_probe_steps_still_verify_and_come_ever_rarer(draftin
 def test_a_packed_probe_verifies_the_surest_requests_that_a_quarter_of_a_step_pays_for():
     """Where every token costs what a request's plain step costs (a CPU at high load), no node pays
     and the planner verifies nothing; the probe step after it verifies the best node of the two
-    surest requests (8 requests: 8 x 1.25 = 10 tokens), not one node of each of the 8."""
+    surest requests (8 requests: 8 x 1.25 = 10 tokens), not one node of each of the 8. A cold
+    estimator (under 256 observations) probes all of them."""
     from verispec.sequence import Sequence
 
     policy = AdaptiveDraftLength(CostProfile([1, 64], [1.0, 64.0]), max_depth=2)
     policy.step_cost.record = lambda *a, **kw: None
     policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    policy.estimator.observations = AdaptiveDraftLength.PROBE_ALL_UNTIL  # warm: probes are bounded
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator(), num_draft_tokens=2) for i in range(8)]
     surety = [0.5, 2.0, -1.0, 3.0, 0.0, 1.0, -2.0, 1.5]  # logits of acceptance: requests 3 and 1 are the surest
     verified = []
@@ -515,6 +517,12 @@ def test_a_packed_probe_verifies_the_surest_requests_that_a_quarter_of_a_step_pa
         policy.observe(seqs, out, [Verdict(d.tokens[:1] or [9], 0, []) for d in out])
     assert verified == [[], [1, 3]]
     assert policy._probe
+    cold = AdaptiveDraftLength(CostProfile([1, 64], [1.0, 64.0]), max_depth=2)
+    cold.step_cost.record = lambda *a, **kw: None
+    for step in range(2):
+        cold.budgets(seqs, 2)
+        out = cold.admit(seqs, [Draft([4, 5], features=[[f], [f]]) for f in surety], 0.0)
+    assert cold._probe and [len(d.tokens) for d in out] == [1] * 8
 
 
 @pytest.mark.parametrize("planner", ["greedy", "topb"])

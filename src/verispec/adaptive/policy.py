@@ -49,6 +49,7 @@ class AdaptiveDraftLength:
     PROBE_EVERY = 8
     PROBE_MAX = 256
     PROBE_SHARE = 0.25
+    PROBE_ALL_UNTIL = 256  # observations before probes are bounded: a cold policy learns from every request
     CHEAP_DRAFT = 0.05  # drafting under 5% of a plain step's time: draft the full k
     # A cheap drafter whose last draft was not worth verifying drafts again ("looks") only as often
     # as keeps such fruitless drafting under LOOK_SHARE of the decode time: every step at 1 request
@@ -184,6 +185,8 @@ class AdaptiveDraftLength:
             firsts.sort(key=lambda ri: -free[ri[0]][ri[1]])
             costs = self.step_cost.costs(n, [base + m for m in range(len(firsts) + 1)])
             m = max(1, sum(1 for c in costs[1:] if c <= (1 + self.PROBE_SHARE) * costs[0])) if firsts else 0
+            if self.estimator.observations < self.PROBE_ALL_UNTIL:  # a cold estimator: a verdict from every request
+                m = len(firsts)
             for r, i in firsts[:m]:
                 kept[r] = [i]
         for r, (sv, p) in enumerate(zip(surv, pins)):
