@@ -51,6 +51,19 @@ def timed_engine(target, tok, policy: str, drafter: str | None, k: int, n: int):
     return eng
 
 
+def level_requests(n: int, max_prompt: int | None):
+    """The target, its tokenizer, and one sweep level's requests at n streams (the sweep's first
+    wave, measured requests and queued wave) with how many are measured; max_prompt: the pool's
+    longest prompt (None: the 4 prompts repeated, the pre-session-18 request list)."""
+    tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
+    prompts = P.load(["mtbench", "humaneval"], 2)
+    for p in prompts:
+        p.ids = P.render(p, tok, target.config.model_type)
+    pool = None if max_prompt is None else sweep_pool(prompts, ["mtbench", "humaneval"], 3 * n + len(prompts), tok,
+                                                      target.config.model_type, max_prompt)
+    return tok, target, sweep_requests(prompts, n, pool), measured_requests(len(prompts), n)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=16)
@@ -60,14 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     n = args.concurrency
-    tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
-    prompts = P.load(["mtbench", "humaneval"], 2)
-    for p in prompts:
-        p.ids = P.render(p, tok, target.config.model_type)
-    pool = None if args.repeat_prompts else sweep_pool(prompts, ["mtbench", "humaneval"], 3 * n + len(prompts), tok,
-                                                       target.config.model_type, 400)
-    reqs = sweep_requests(prompts, n, pool)
-    measured = measured_requests(len(prompts), n)
+    tok, target, reqs, measured = level_requests(n, None if args.repeat_prompts else 400)
     engines = {name: timed_engine(target, tok, *m, n) for name, m in METHODS.items()}
     for r in range(args.rounds):
         for name, eng in engines.items():

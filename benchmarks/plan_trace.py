@@ -20,11 +20,8 @@ import time
 import torch
 
 import verispec.adaptive.policy as policy_module
-from load_split import timed_engine
-from verispec import prompts as P
-from verispec.bench.cli import sweep_pool
-from verispec.bench.runner import busy_throughput, measured_requests, run_batch, sweep_requests
-from verispec.models import load_model, load_tokenizer
+from load_split import level_requests, timed_engine
+from verispec.bench.runner import busy_throughput, run_batch
 
 
 def trace_policy(policy) -> list[dict]:
@@ -66,12 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     n = args.concurrency
-    tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
-    prompts = P.load(["mtbench", "humaneval"], 2)
-    for p in prompts:
-        p.ids = P.render(p, tok, target.config.model_type)
-    pool = sweep_pool(prompts, ["mtbench", "humaneval"], 3 * n + len(prompts), tok, target.config.model_type, 140)
-    reqs, measured = sweep_requests(prompts, n, pool), measured_requests(len(prompts), n)
+    tok, target, reqs, measured = level_requests(n, 140)  # the sweep's cap in session 19's runs
     engines = {"plain": timed_engine(target, tok, "fixed", None, 0, n),
                "adaptive": timed_engine(target, tok, "adaptive", "ngram", 7, n)}
     steps = trace_policy(engines["adaptive"].policy)

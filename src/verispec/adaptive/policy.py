@@ -41,11 +41,13 @@ class AdaptiveDraftLength:
     # While nothing pays, probe steps verify a token whatever the planner says (otherwise a policy
     # that starts, or lands, where its estimates say nothing pays would never see a verdict again).
     # The interval from the last verified window to a probe starts at 8 and doubles with every
-    # probe, up to 256, over the policy's life. A packed probe verifies the best node of as many
-    # requests as fit in PROBE_SHARE more than the plain step costs, at least one: a verdict per
-    # request is not needed to fit a slope and intercepts, and at 64 requests on a 2-core CPU,
-    # where a step's cost grows with every token, a probe of one token per request cost 2.5 plain
-    # steps. A dear drafter drafts only on probes.
+    # probe, up to 256, over the policy's life. Once the estimator has PROBE_ALL_UNTIL observations,
+    # a packed probe verifies the best node of as many requests as fit in PROBE_SHARE more than
+    # the plain step costs, at least one: a verdict per request is not needed to fit a slope and
+    # intercepts, and at 64 requests on a 2-core CPU, where a step's cost grows with every token,
+    # a probe of one token per request cost 2.7 plain steps. Before that, every request's best node
+    # (bounded probes left a fresh policy at 8 requests verifying almost nothing). A dear drafter
+    # drafts only on probes.
     PROBE_EVERY = 8
     PROBE_MAX = 256
     PROBE_SHARE = 0.25
@@ -76,7 +78,7 @@ class AdaptiveDraftLength:
         self._verify_started: tuple[int, int, int, float] | None = None  # (num_reqs, forward tokens, head rows, perf_counter)
         self.steps = 0
         self.width = None  # the window chosen last step; packed: the most nodes one request got (None: no step yet)
-        self._probe = False  # this step is a probe (budgets): it verifies at least one node per draft
+        self._probe = False  # this step is a probe (budgets): it verifies at least one node
         self._probe_every = self.PROBE_EVERY
         self._next_probe = 0
         self._last_draft = 0  # the step that last drafted
