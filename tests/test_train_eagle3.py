@@ -163,6 +163,36 @@ def test_resume_after_kill_is_exact(tiny, tmp_path):
     assert log[-1]["loss"] == straight[-1]["loss"]
 
 
+def test_time_budget_fits_the_schedule_and_a_resumed_run_keeps_it(tiny, tmp_path, monkeypatch):
+    """--time-budget: the probe's time per step sets the total (at most what was asked; the reserve
+    left for the final evaluation); a run killed after the fit resumes with the fitted total and
+    schedule from its checkpoint (no second fit), ending with the uninterrupted run's weights."""
+    from verispec.train import trainer
+
+    cfg = _cfg(None, None, steps=1000, time_budget_s=100.0)
+    per = trainer.BUDGET_PROBE_STEPS - 1
+    # 2 s a step, 10 s spent: (100 * (1 - reserve) - 10) / 2 steps after the probe's
+    assert trainer.fit_total(cfg, 6, 1000, 2.0 * per, 10.0) == 6 + int((100 * (1 - trainer.BUDGET_RESERVE) - 10) / 2)
+    assert trainer.fit_total(cfg, 6, 20, 2.0 * per, 10.0) == 20  # never more than asked for
+    assert trainer.fit_total(cfg, 6, 1000, 500.0 * per, 99.0) == 7  # over budget already: one more step
+
+    calls = []
+    monkeypatch.setattr(trainer, "BUDGET_PROBE_STEPS", 2)
+    monkeypatch.setattr(trainer, "fit_total", lambda *a, **k: calls.append(a[1]) or 7)
+    kw = dict(steps=50, time_budget_s=60.0, save_every=2)
+    train(_cfg(data := tiny[2], tmp_path / "straight", **kw), tiny[0])
+    assert calls == [2]  # fitted once, after the probe's two steps
+    log = [json.loads(x) for x in (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 8))
+    assert log[-1]["lr"] == pytest.approx(3e-3 * 0.1)  # the cosine ends at the fitted total
+    assert train(_cfg(data, tmp_path / "killed", stop_after=4, **kw), tiny[0]) == {"stopped_at": 4}
+    train(_cfg(data, tmp_path / "killed", **kw), tiny[0])  # resumes at step 4 with total 7
+    assert calls == [2, 2]  # the resumed run did not fit again
+    a = load_eagle3(tmp_path / "straight", tiny[0]).state_dict()
+    b = load_eagle3(tmp_path / "killed", tiny[0]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_warm_start_continues_from_a_drafter_and_refuses_another_shape(tiny, tmp_path):
     """--init-from: at learning rate 0 the exported weights are the init's; training on from them
     keeps the init's draft vocabulary (trained on the first shard, whose counts pick other ids

@@ -55,6 +55,9 @@ def add_train_parser(sub) -> None:
                    "target's forward and the drafter on the GPU, one process per GPU under torchrun)")
     p.add_argument("--state-cache-gb", type=float, default=6.0,
                    help="token-id data (--no-hidden): memory for the target states kept between epochs (default 6)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="end within this much wall time: the first steps are timed and the schedule (warm-up, cosine) "
+                        "is fitted to the steps that fit, at most --steps / --epochs; a resumed run keeps that total")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stop-after", type=int, default=None, help=argparse_suppress())
     p.set_defaults(run=cmd_train)
@@ -91,7 +94,7 @@ def cmd_train(args) -> int:
         train_lm_head=args.train_lm_head, anchors=args.anchors, markov_rank=args.markov_rank, init_from=args.init_from,
         export_dtype=args.export_dtype, state_cache_gb=args.state_cache_gb, device=args.device,
         progress=not args.no_progress,
-        stop_after=args.stop_after,
+        stop_after=args.stop_after, time_budget_s=args.time_budget,
     )
     from .. import preflight
 

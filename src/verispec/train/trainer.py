@@ -73,6 +73,7 @@ class TrainConfig:
     device: str = "cpu"  # where the target and the drafter train (cuda: DDP over nccl)
     state_cache_gb: float = 6.0  # --no-hidden data: the target states kept in memory between epochs
     stop_after: int | None = None  # leave after this many steps of this run (as if killed after a checkpoint)
+    time_budget_s: float | None = None  # fit the schedule to this much wall time (the run's total is then fixed)
     extra: dict = field(default_factory=dict)
 
 
@@ -282,7 +283,7 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
 RESUME_FIELDS = ("data", "method", "draft_vocab_size", "ttt_steps", "step_loss_decay", "loss", "lr", "weight_decay",
                  "warmup_ratio", "min_lr_ratio", "grad_clip", "batch_size", "epochs", "steps", "max_len", "max_prompts",
                  "val_fraction", "seed", "bf16", "fc_norm", "norm_output", "num_layers", "intermediate_size",
-                 "train_lm_head", "anchors", "markov_rank", "init_from")
+                 "train_lm_head", "anchors", "markov_rank", "init_from", "time_budget_s")
 STATE = "state.pt"
 
 
@@ -290,7 +291,7 @@ def _siblings(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
 
 
-def save_state(path: Path, model, opt, sched, step: int, cfg: TrainConfig) -> None:
+def save_state(path: Path, model, opt, sched, step: int, cfg: TrainConfig, total: int | None = None) -> None:
     """Write the checkpoint `path/state.pt` so that a kill at any point leaves a complete one.
 
     `tmp/state.pt` appears (by rename) only once it is fully written and synced, so a folder
@@ -304,6 +305,7 @@ def save_state(path: Path, model, opt, sched, step: int, cfg: TrainConfig) -> No
     with open(part, "wb") as f:
         torch.save({
             "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
+            "total": total,
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "config": asdict(cfg),
         }, f)
@@ -317,6 +319,27 @@ def save_state(path: Path, model, opt, sched, step: int, cfg: TrainConfig) -> No
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# A time budget: the first steps of a run are timed and the schedule's total becomes the steps that
+# fit (never more than --steps / --epochs asked for), leaving BUDGET_RESERVE of the budget for the
+# final held-out evaluation, DSpark's calibration and the export.
+BUDGET_PROBE_STEPS = 6
+BUDGET_RESERVE = 0.12
+
+
+def fit_total(cfg: TrainConfig, step: int, total: int, probe_s: float, elapsed_s: float, dist=None) -> int:
+    """The total steps that end the run within cfg.time_budget_s, from the time of the probe's
+    BUDGET_PROBE_STEPS - 1 steps (the first epoch's steps, which also run the target: later ones
+    can only be faster). Every rank takes the smallest, so they all stop together."""
+    per_step = probe_s / (BUDGET_PROBE_STEPS - 1)
+    left = cfg.time_budget_s * (1 - BUDGET_RESERVE) - elapsed_s
+    fit = min(total, step + max(1, int(left / per_step)))
+    if dist is not None and dist.world > 1:
+        t = torch.tensor([fit], device=dist.device)
+        dist.td.all_reduce(t, op=dist.td.ReduceOp.MIN)
+        fit = int(t.item())
+    return fit
 
 
 def _fsync_dir(d: Path) -> None:
@@ -373,7 +396,8 @@ def _flag(name: str) -> str:
     return {"bf16": "bf16"}.get(name, "--" + name.replace("_", "-"))
 
 
-def load_state(path: Path, model, opt, sched, cfg: TrainConfig | None = None) -> int:
+def load_state(path: Path, model, opt, sched, cfg: TrainConfig | None = None) -> tuple[int, int | None]:
+    """Load a checkpoint: (its step, the run's total steps when a time budget fixed it, else None)."""
     st = read_state(path)
     if cfg is not None:
         check_resume_config(st, cfg, path)
@@ -382,7 +406,7 @@ def load_state(path: Path, model, opt, sched, cfg: TrainConfig | None = None) ->
     sched.load_state_dict(st["scheduler"])
     torch.set_rng_state(st["rng"]["torch"])
     random.setstate(st["rng"]["python"])
-    return int(st["step"])
+    return int(st["step"]), st.get("total")
 
 
 def trim_log(log_path: Path, step: int) -> None:
@@ -461,6 +485,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
     """Run (or resume) a training run; returns the final held-out evaluation."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    t_start = time.time()
     dist = Dist(cfg.device)
     out = Path(cfg.out)
     data = HiddenStateData(cfg.data, cfg.max_len, cfg.max_prompts)
@@ -489,8 +514,12 @@ def train(cfg: TrainConfig, target=None) -> dict:
     if dist.main:
         recover_state(ck)
     dist.barrier()
+    fitted = None  # the total a time budget fixed (kept in the checkpoint, so a resumed run keeps its schedule)
     if (ck / STATE).is_file():
-        step = load_state(ck, model, opt, sched, cfg)
+        step, fitted = load_state(ck, model, opt, sched, cfg)
+        if fitted is not None:
+            total = fitted
+            sched.lr_lambdas[0] = lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio)
         if dist.main:
             for leftover in _siblings(ck):  # of a killed save; the checkpoint just loaded is good
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -526,6 +555,15 @@ def train(cfg: TrainConfig, target=None) -> dict:
         opt.zero_grad(set_to_none=True)
         step += 1
         done_this_run += 1
+        if cfg.time_budget_s and fitted is None and done_this_run == BUDGET_PROBE_STEPS:
+            total = fitted = fit_total(cfg, step, total, time.time() - t_probe, time.time() - t_start, dist)
+            sched.lr_lambdas[0] = lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio)
+            if dist.main:
+                print(f"time budget {cfg.time_budget_s:.0f} s: {total} steps in all", flush=True)
+            if bar is not None:
+                bar.total = total
+        if done_this_run == 1:
+            t_probe = time.time()  # the first step of a run pays for warm-up; the probe times the ones after
         r = summarize(m, reduce)
         gloss = float(loss.detach()) if reduce is None else float(reduce(loss.detach().clone()))  # all ranks
         if dist.main:
@@ -546,7 +584,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
                       f", expected tau {ev['expected_tau']:.3f}", flush=True)
         if step % cfg.save_every == 0 or step == total:
             if dist.main:
-                save_state(ck, model, opt, sched, step, cfg)
+                save_state(ck, model, opt, sched, step, cfg, fitted)
             dist.barrier()
         if cfg.stop_after is not None and done_this_run >= cfg.stop_after and step < total:
             if bar is not None:
