@@ -191,6 +191,13 @@ def test_time_budget_fits_the_schedule_and_a_resumed_run_keeps_it(tiny, tmp_path
     a = load_eagle3(tmp_path / "straight", tiny[0]).state_dict()
     b = load_eagle3(tmp_path / "killed", tiny[0]).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # killed right after the fit, long before a periodic checkpoint: the fit itself was saved
+    kw["save_every"] = 50
+    assert train(_cfg(data, tmp_path / "early", stop_after=2, **kw), tiny[0]) == {"stopped_at": 2}
+    train(_cfg(data, tmp_path / "early", **kw), tiny[0])
+    assert calls == [2, 2, 2]
+    c = load_eagle3(tmp_path / "early", tiny[0]).state_dict()
+    assert all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_warm_start_continues_from_a_drafter_and_refuses_another_shape(tiny, tmp_path):

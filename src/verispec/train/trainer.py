@@ -555,7 +555,8 @@ def train(cfg: TrainConfig, target=None) -> dict:
         opt.zero_grad(set_to_none=True)
         step += 1
         done_this_run += 1
-        if cfg.time_budget_s and fitted is None and done_this_run == BUDGET_PROBE_STEPS:
+        just_fitted = bool(cfg.time_budget_s) and fitted is None and done_this_run == BUDGET_PROBE_STEPS
+        if just_fitted:
             total = fitted = fit_total(cfg, step, total, time.time() - t_probe, time.time() - t_start, dist)
             sched.lr_lambdas[0] = lr_lambda(total, int(cfg.warmup_ratio * total), cfg.min_lr_ratio)
             if dist.main:
@@ -582,7 +583,7 @@ def train(cfg: TrainConfig, target=None) -> dict:
                 _log_eval(out, step, ev)
                 print(f"\nstep {step}: held-out acceptance per position {[round(x, 3) for x in ev['acceptance_conditional']]}"
                       f", expected tau {ev['expected_tau']:.3f}", flush=True)
-        if step % cfg.save_every == 0 or step == total:
+        if step % cfg.save_every == 0 or step == total or just_fitted:  # the fitted total is kept at once
             if dist.main:
                 save_state(ck, model, opt, sched, step, cfg, fitted)
             dist.barrier()
