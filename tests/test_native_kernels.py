@@ -407,3 +407,28 @@ def test_int4_weights_run_on_the_native_kernel_and_dequantize_to_what_it_compute
     assert (pw.dequantize().float() - w.float()).abs().max() < 0.5  # a 16-level grid per 32 values
     assert pw.nbytes == 2 * 64 * 32 + 2 * 2 * (2 * 64) * 2  # two 64-row groups of codes, scales and zeros
     assert PackedWeight(w.float(), "int4").native is None  # fp32 activations keep torch's kernel
+
+
+@pytest.mark.skipif(kernels.argmax_f32() is None, reason=f"native kernels unavailable: {kernels.why_not()}")
+def test_native_argmax_is_torchs():
+    """The first largest entry of each row, as torch.argmax gives it: ties (the first wins, -0.0 and
+    0.0 tie), a NaN anywhere (the first NaN wins), rows of -inf, +inf, lengths that are not a
+    multiple of the vector width, and rows read through a stride."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(262_144, generator=g), torch.randn(1000, generator=g).round()]  # many ties
+    for V in (1, 15, 17, 64, 65, 1000):
+        x = torch.randn(V, generator=g)
+        rows += [x, torch.full((V,), float("-inf")), torch.zeros(V)]
+        if V > 3:
+            y = x.clone()
+            y[[1, V - 2]] = float("nan")
+            z = x.clone()
+            z[[V // 2, V - 1]] = x.max() + 1
+            w = x.clone()
+            w[V - 1] = float("inf")
+            rows += [y, z, w, torch.where(x > 0, torch.tensor(-0.0), torch.tensor(-1.0))]
+    for r in rows:
+        for batch in (r[None], torch.stack([r, r.flip(0), -r])):
+            assert torch.equal(kernels.run_argmax(kernels.argmax_f32(), batch), batch.argmax(-1)), batch
+    wide = torch.randn(5, 300, generator=g)
+    assert torch.equal(kernels.run_argmax(kernels.argmax_f32(), wide[:, 10:250]), wide[:, 10:250].argmax(-1))

@@ -29,7 +29,7 @@ from .models import DEFAULT_MODEL, CausalLM, ForwardOutput, load_model, load_tok
 from .models.paths import PathViews
 from .options import MAX_DRAFT_TOKENS, QUANT_MODES
 from .policy import DraftLengthPolicy, FixedDraftLength
-from .sampling import SamplingParams, probs, sample
+from .sampling import SamplingParams, argmax, probs, sample
 from .sequence import Sequence, SpecStats
 from .verify import for_draft
 
@@ -226,7 +226,7 @@ class Engine:
         flat = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)]))  # [sum sizes, V]
         logits = flat.split(sizes)
         # greedy requests need only each row's argmax: one call for the batch, not one per request
-        best = flat.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else None
+        best = argmax(flat).tolist() if any(s.params.greedy for s in seqs) else None
         offsets = [0, *itertools.accumulate(sizes)]
         events, verdicts = [], []
         for b, (s, d) in enumerate(zip(seqs, drafts)):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -47,11 +49,22 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1): the first largest entry of each row, a NaN counted largest. fp32
+    rows [N, V] on a CPU take kernels/argmax.c (torch's CPU argmax is a scalar loop: 0.34 ms for
+    one of Gemma's 262,144-entry rows, 3% of an int8 decode step), with the same answers."""
+    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        fn = kernels.argmax_f32()
+        if fn is not None:
+            return kernels.run_argmax(fn, logits)
+    return logits.argmax(-1)
+
+
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """logits [N, V] fp32 -> processed probabilities [N, V] (temperature, then top-k, then top-p).
     Greedy (temperature 0) is the one-hot distribution on the argmax."""
     if sp.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, argmax(logits)[..., None], 1.0)
     logits = logits / sp.temperature
     if sp.top_k is not None and sp.top_k < logits.shape[-1]:
         kth = logits.topk(sp.top_k, dim=-1).values[..., -1:]  # [N, 1]

@@ -7,7 +7,10 @@
 - `rms_norm.c`: RMSNorm of bf16 rows in one call (models/layers.py `RMSNorm`, at inference);
 - `rope.c`: rotary embedding of bf16 q / k heads in one call, written as [B, heads, T, hd];
 - `attention.c`: bf16 attention with each query row on its own (models/layers.py
-  `grouped_attention`, at inference): batch-invariant by construction on any CPU.
+  `grouped_attention`, at inference): batch-invariant by construction on any CPU;
+- `layer.c`: a decoder layer on packed weights in two calls around the attention
+  (models/native_layer.py), from the kernels above, and its activation times the up projection;
+- `argmax.c`: each row's argmax of fp32 logits, torch's definition (greedy verification).
 The sources are compiled together with `-march=native` on first use into the verispec cache
 (`$VERISPEC_CACHE/kernels`, the file named by a hash of the sources, the compiler and the CPU's
 flags) in about a second, and reused after that. It links the OpenMP runtime by its soname,
@@ -72,6 +75,50 @@ def rope():
     """The compiled `verispec_rope_bf16` (rope.c), or None (see `why_not`)."""
     return _function("verispec_rope_bf16", [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
                      + [ctypes.c_long] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 4)
+
+
+def argmax_f32():
+    """The compiled `verispec_argmax_f32` (argmax.c), or None (see `why_not`)."""
+    return _function("verispec_argmax_f32", [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                             ctypes.c_void_p, ctypes.c_int])
+
+
+def act_mul():
+    """The compiled `verispec_act_mul_bf16` (layer.c), or None (see `why_not`)."""
+    return _function("verispec_act_mul_bf16", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int,
+                                               ctypes.c_int])
+
+
+class LinearSpec(ctypes.Structure):
+    """`vs_linear` of layer.c: one projection's packed weights (kind 0 bf16, 1 int8, 2 int4)."""
+    _fields_ = [("kind", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p), ("bias_f32", ctypes.c_void_p),
+                ("bias_bf16", ctypes.c_void_p)]
+
+
+class LayerSpec(ctypes.Structure):
+    """`vs_layer` of layer.c: a decoder layer's shapes, norms and projections."""
+    _fields_ = [("H", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("inter", ctypes.c_int), ("gemma", ctypes.c_int), ("act", ctypes.c_int), ("eps", ctypes.c_float),
+                ("in_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p), ("pre_ff_norm", ctypes.c_void_p),
+                ("post_ff_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("qkv", LinearSpec), ("o", LinearSpec), ("gate_up", LinearSpec), ("down", LinearSpec)]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # ACT_SILU, ACT_GELU_TANH in layer.c
+
+
+def layer_pre():
+    """The compiled `verispec_layer_pre` (layer.c), or None (see `why_not`)."""
+    return _function("verispec_layer_pre", [ctypes.POINTER(LayerSpec), ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                     + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_long] * 3
+                     + [ctypes.c_void_p] * 3 + [ctypes.c_int])
+
+
+def layer_post():
+    """The compiled `verispec_layer_post` (layer.c), or None (see `why_not`)."""
+    return _function("verispec_layer_post", [ctypes.POINTER(LayerSpec), ctypes.c_void_p] + [ctypes.c_long] * 3
+                     + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3)
 
 
 def _function(name: str, argtypes: list):
@@ -290,4 +337,24 @@ def run_rope(fn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     out = torch.empty(B, H, T, hd, dtype=torch.bfloat16)
     fn(x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), c.data_ptr(), s.data_ptr(), c.stride(0), c.stride(1),
        out.data_ptr(), B, T, H, hd)
+    return out
+
+
+def run_argmax(fn, x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value, x [R, V] fp32 (rows dense) -> [R] int64, as
+    torch.argmax(x, -1) gives it, NaN counted largest (argmax.c)."""
+    R, V = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(R, dtype=torch.int64)
+    fn(x.data_ptr(), R, V, x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def run_act_mul(fn, gu: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(g) * u for gu [..., 2I] = [g | u] bf16 -> [..., I] bf16 (layer.c), each rounded as torch rounds."""
+    gu = gu.contiguous()
+    I = gu.shape[-1] // 2
+    out = torch.empty(*gu.shape[:-1], I, dtype=torch.bfloat16)
+    fn(gu.data_ptr(), out.data_ptr(), gu.numel() // (2 * I), I, ACTIVATIONS[activation])
     return out

@@ -302,17 +302,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope_heads(q, cos, sin), rope_heads(k, cos, sin)  # [B, h, T, hd] dense, [B, kvh, T, hd]
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        K, V, mask = kv(k, v)
-        if K.dtype != q.dtype or V.dtype != q.dtype:  # autocast training: rotated q/k fp32, v bf16
-            K, V = K.to(q.dtype), V.to(q.dtype)
-        route = getattr(kv, "route", None)  # token trees: queries regrouped into path views (models/paths.py)
-        if route is not None:
-            q = route.gather_queries(q)
-        o = attend(q, K, V, mask, c.attn_scale, c.attn_logit_softcap, self.invariant, getattr(kv, "slots", None))
-        if route is not None:
-            o = route.scatter_outputs(o, B, T)
+        o = self.attend_cached(q, *kv(k, v), kv)
         out = self.out or (self.o_proj.weight, self.o_proj.bias)
         return linear(o.transpose(1, 2).reshape(B, T, -1), *out, self.invariant)
+
+    def attend_cached(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, kv: KV) -> torch.Tensor:
+        """q [B, h, T, hd] against what `kv` returned (K, V, mask) -> o [B, h, T, hd], token trees
+        routed through their path views (models/paths.py)."""
+        if K.dtype != q.dtype or V.dtype != q.dtype:  # autocast training: rotated q/k fp32, v bf16
+            K, V = K.to(q.dtype), V.to(q.dtype)
+        B, _, T, _ = q.shape
+        route = getattr(kv, "route", None)  # token trees: queries regrouped into path views
+        if route is not None:
+            q = route.gather_queries(q)
+        o = attend(q, K, V, mask, self.c.attn_scale, self.c.attn_logit_softcap, self.invariant, getattr(kv, "slots", None))
+        return o if route is None else route.scatter_outputs(o, B, T)
 
 
 class MLP(nn.Module):
@@ -335,9 +339,12 @@ class MLP(nn.Module):
         else:
             g = linear(x, self.gate_proj.weight, self.gate_proj.bias, self.invariant)
             u = linear(x, self.up_proj.weight, self.up_proj.bias, self.invariant)
-        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
         down = self.down or (self.down_proj.weight, self.down_proj.bias)
-        return linear(g * u, *down, self.invariant)
+        return linear(self.activate(g, u), *down, self.invariant)
+
+    def activate(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """act(g) * u. (A native layer computes it in kernels/layer.c, to within 2e-7 before rounding.)"""
+        return (F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)) * u
 
 
 class DecoderLayer(nn.Module):
@@ -355,7 +362,25 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
         self.gemma = g
 
+    def norms(self) -> list[RMSNorm]:
+        attn = self.self_attn
+        extra = [self.pre_feedforward_layernorm, self.post_feedforward_layernorm] if self.gemma else []
+        qk = [attn.q_norm, attn.k_norm] if attn.c.qk_norm else []
+        return [self.input_layernorm, self.post_attention_layernorm, *extra, *qk]
+
+    def native(self):
+        """This layer's native form (native_layer.py) for its current weights, or None."""
+        from .native_layer import native_for
+
+        return native_for(self)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KV) -> torch.Tensor:
+        cache = getattr(kv, "cache", None)  # where kv writes: the target's KV cache (model.py)
+        if cache is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled():
+            native = self.native()
+            if native is not None and x.is_contiguous():
+                q = native.pre(x, cos, sin, cache)
+                return native.post(self.self_attn.attend_cached(q, *kv.read(), kv), x)
         a = self.self_attn(self.input_layernorm(x), cos, sin, kv)
         if self.gemma:
             x = self.post_attention_layernorm(a, residual=x)

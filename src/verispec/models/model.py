@@ -178,6 +178,7 @@ class CausalLM(nn.Module):
         def kv_view(t):  # a view, no copy
             return t[s0 : s0 + B, :, :Lk] if contiguous else t[:, :, :Lk]
 
+        flat = (slot_idx.reshape(-1).contiguous(), new_rows.reshape(-1).contiguous())  # [B * T] each, for native layers
         x = self.embed(input_ids)
         hidden = {}
         n = num_layers or self.config.num_layers
@@ -189,7 +190,7 @@ class CausalLM(nn.Module):
             cos, sin = cos_sin[kind]
             mask = masks[self.config.sliding_windows[i]]
             x = self.model.layers[i](x, cos, sin, _cache_kv(cache.k[i], cache.v[i], slot_idx, new_rows, kv_view, mask,
-                                                            paths, read_slots))
+                                                            paths, read_slots, flat))
             if i in taps:
                 hidden[i] = x
         h = self.model.norm(x)
@@ -201,21 +202,28 @@ class CausalLM(nn.Module):
 
 
 def _cache_kv(k_cache, v_cache, slots, rows, kv_view, mask, paths: PathViews | None = None,
-              read_slots: torch.Tensor | None = None) -> KV:
+              read_slots: torch.Tensor | None = None, flat: tuple = ()) -> KV:
     """The target's `kv` for one layer: write the new keys/values at cache rows (slots, rows) [B, T]
     in place, attend over kv_view(cache) [B, kv_heads, Lk, hd] (or [S, ...] read at `kv.slots`
     [B]) with `mask` -- or, for token trees, over each query's path view (`kv.route`, which
-    regroups the queries)."""
+    regroups the queries). `kv.cache` names the caches and each entry's (slot, row) as `flat`
+    [B * T] int64 tensors, for a native layer (native_layer.py) that writes them itself and then
+    calls `kv.read()`."""
 
-    def kv(k, v):  # [B, kvh, T, hd]
-        k_cache[slots, :, rows] = k.transpose(1, 2)
-        v_cache[slots, :, rows] = v.transpose(1, 2)
+    def read():
         if paths is not None:
             return paths.keys(k_cache), paths.keys(v_cache), mask
         return kv_view(k_cache), kv_view(v_cache), mask
 
+    def kv(k, v):  # [B, kvh, T, hd]
+        k_cache[slots, :, rows] = k.transpose(1, 2)
+        v_cache[slots, :, rows] = v.transpose(1, 2)
+        return read()
+
     kv.route = paths
     kv.slots = None if paths is not None else read_slots
+    kv.read = read  # what to attend, once the keys and values are written (a native layer writes them)
+    kv.cache = (k_cache, v_cache, *flat)  # where: the caches, each entry's slot and row [B * T] int64
     return kv
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, probs, sample
+from ..sampling import SamplingParams, argmax, probs, sample
 from . import Verdict
 
 
@@ -14,7 +14,7 @@ class ChainVerifier:
     def verify(self, logits: torch.Tensor, draft, params: SamplingParams, generator: torch.Generator) -> Verdict:
         """logits [k + 1, V]; draft.tokens d_1..d_k; draft.q [k, V] (None: one-hot at d_i)."""
         if params.greedy:
-            return self.greedy(logits[: len(draft.tokens) + 1].argmax(-1).tolist(), draft)
+            return self.greedy(argmax(logits[: len(draft.tokens) + 1]).tolist(), draft)
         return self.accept(probs(logits[: len(draft.tokens) + 1], params), draft, generator)
 
     @staticmethod

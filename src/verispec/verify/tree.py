@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingParams, probs, sample
+from ..sampling import SamplingParams, argmax, probs, sample
 from . import Verdict
 
 
@@ -26,7 +26,7 @@ class TreeVerifier:
         draft.parents[i] is node i's parent (-1: the root); draft.q[i] the distribution node i was
         drawn from (its parent's draft distribution; None: a deterministic drafter)."""
         if params.greedy:
-            return self.greedy(logits[: len(draft.tokens) + 1].argmax(-1).tolist(), draft)
+            return self.greedy(argmax(logits[: len(draft.tokens) + 1]).tolist(), draft)
         return self.walk(lambda node: probs(logits[node : node + 1], params)[0], draft, generator)
 
     def walk(self, p_at, draft, generator: torch.Generator) -> Verdict:
