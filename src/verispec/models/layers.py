@@ -362,12 +362,6 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, g)
         self.gemma = g
 
-    def norms(self) -> list[RMSNorm]:
-        attn = self.self_attn
-        extra = [self.pre_feedforward_layernorm, self.post_feedforward_layernorm] if self.gemma else []
-        qk = [attn.q_norm, attn.k_norm] if attn.c.qk_norm else []
-        return [self.input_layernorm, self.post_attention_layernorm, *extra, *qk]
-
     def native(self):
         """This layer's native form (native_layer.py) for its current weights, or None."""
         from .native_layer import native_for

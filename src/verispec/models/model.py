@@ -62,7 +62,10 @@ class CausalLM(nn.Module):
         self.prepacked = False  # bf16 projections in oneDNN's blocked layout (prepack.py)
 
     def set_batch_invariant(self, on: bool) -> "CausalLM":
-        """Exact mode: every matmul gives a row the same bits whatever else is in the batch."""
+        """Exact mode: every matmul gives a row the same bits whatever else is in the batch. (The
+        engine says it every step: setting 36 module attributes again cost 0.4 ms a step.)"""
+        if on == self.invariant:
+            return self
         self.invariant = on
         for layer in self.model.layers:
             layer.self_attn.invariant = layer.mlp.invariant = on

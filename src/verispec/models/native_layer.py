@@ -127,23 +127,35 @@ def _native_weight(w, bias) -> bool:
     return False
 
 
-_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> (layer_key, NativeLayer or None)
+_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> _Built
+
+
+class _Built:
+    """A layer's native form and the objects it was built from. `fresh` compares them by identity
+    through the modules' own dicts (nn.Module's attribute lookup would cost more than the check)."""
+
+    def __init__(self, layer):
+        self.parts = _parts(layer)
+        self.native = NativeLayer.build(layer)
+
+    def fresh(self, layer) -> bool:
+        return all(a is b for a, b in zip(_parts(layer), self.parts))
+
+
+def _parts(layer) -> list:
+    modules = layer._modules
+    attn, mlp = modules["self_attn"], modules["mlp"]
+    a, m = attn.__dict__, mlp.__dict__
+    norms = [modules[n] for n in modules if n.endswith("layernorm")] + [attn._modules[n] for n in ("q_norm", "k_norm")
+                                                                          if n in attn._modules]
+    return [attn, mlp, a["qkv"], a["out"], m["gate_up"], m["down"], *(n._parameters["weight"] for n in norms)]
 
 
 def native_for(layer) -> NativeLayer | None:
-    """The layer's native form for its current weights (built on first use, and again when any of
-    them is another object), or None. Kept beside the layer, not on it, so that the module holds
-    no ctypes pointers."""
-    key = layer_key(layer)
-    hit = _SPECS.get(layer)
-    if hit is None or len(hit[0]) != len(key) or any(a is not b for a, b in zip(key, hit[0])):
-        hit = _SPECS[layer] = (key, NativeLayer.build(layer))
-    return hit[1]
-
-
-def layer_key(layer) -> tuple:
-    """The objects a layer's native spec was built from: another object in any place means a new spec."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return (attn.qkv and attn.qkv[0], attn.qkv and attn.qkv[1], attn.out and attn.out[0], attn.out and attn.out[1],
-            mlp.gate_up and mlp.gate_up[0], mlp.gate_up and mlp.gate_up[1], mlp.down and mlp.down[0],
-            mlp.down and mlp.down[1], *(m.weight for m in layer.norms()))
+    """The layer's native form for its current weights (built on first use, and again when a
+    projection or a norm's parameter is another object), or None. Kept beside the layer, not on
+    it, so that the module holds no ctypes pointers."""
+    built = _SPECS.get(layer)
+    if built is None or not built.fresh(layer):
+        built = _SPECS[layer] = _Built(layer)
+    return built.native
