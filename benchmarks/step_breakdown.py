@@ -1,6 +1,7 @@
 """Where the time of one plain decode step goes, per precision (torch profiler, batch 1).
 
     python benchmarks/step_breakdown.py --quant none,int8,int4 --tokens 32 --out benchmarks/results/quant
+    python benchmarks/step_breakdown.py --quant none,int8,int4 --layers native,python --out DIR   # native layers or not
     python benchmarks/step_breakdown.py --quant dense,onednn,none --out benchmarks/results/native   # bf16 layouts
 
 bf16 rows: `dense` is the row-major layout, `onednn` prepacked for oneDNN's kernels, `none` the
@@ -46,6 +47,12 @@ ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_sc
                  "aten::bmm",  # models/layers.py: attention as two batched GEMMs (q K^T, then @ V)
                  "verispec::attention"}  # or as kernels/attention.c: a ctypes call, labelled
 NORM_OP = "verispec::rms_norm"  # likewise
+LAYER_OP = "verispec::layer"  # a native layer's calls around the attention (models/native_layer.py), likewise
+try:
+    from verispec.models.layers import DecoderLayer
+    from verispec.models.native_layer import NativeLayer
+except ImportError:  # a verispec from before native layers
+    DecoderLayer = NativeLayer = None
 
 
 def read_bandwidth(mb: int = 512, repeats: int = 5) -> float:
@@ -108,12 +115,24 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
 
     kernels.run_bf16_gemm, kernels.run_rms_norm, kernels.run_attention = labelled, labelled_norm, labelled_attention
     kernels.run_int8_gemm, kernels.run_int4_gemm = labelled_int8, labelled_int4
+    halves = {}
+    if NativeLayer is not None:  # a native layer's two calls (kernels/layer.c): its projections, norms, RoPE, ...
+        for half in ("pre", "post"):
+            halves[half] = getattr(NativeLayer, half)
+
+            def labelled_half(self, *a, _f=halves[half]):
+                with torch.profiler.record_function(LAYER_OP):
+                    return _f(self, *a)
+
+            setattr(NativeLayer, half, labelled_half)
     try:
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             _, _, steps = decode(model, tok, prompt, tokens)
     finally:
         kernels.run_bf16_gemm, kernels.run_rms_norm, kernels.run_attention = native, norm, attention
         kernels.run_int8_gemm, kernels.run_int4_gemm = native_int8, native_int4
+        for half, f in halves.items():
+            setattr(NativeLayer, half, f)
     groups = defaultdict(float)
     for ev in prof.key_averages(group_by_input_shape=True):
         us = ev.self_cpu_time_total
@@ -124,6 +143,8 @@ def breakdown(model, tok, prompt: str, tokens: int) -> dict:
             groups["attention"] += us
         elif ev.key == NORM_OP:
             groups["norms"] += us
+        elif ev.key == LAYER_OP:
+            groups["native layers"] += us
         else:
             groups["everything else"] += us
     # the prefill step ran before the profiler; every profiled step is a one-token decode step
@@ -140,6 +161,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", default="def fibonacci(n):")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--layers", default="native", help="native,python: also each precision with the Python layers")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     threads = setup_threads(args.threads)
@@ -156,17 +178,28 @@ def main() -> int:
                                                                    {} if q in ("none", "onednn") else {"quant": q}))
         finally:
             kernels._LOADED["verispec_bf16_gemm"] = native
-        rows[q] = breakdown(model, tok, args.prompt, args.tokens)
-        rows[q]["kernel"] = ("verispec" if model.packed_head.native is not None else "oneDNN") if model.prepacked else None
-        print(f"[breakdown] {q}: {rows[q]}", file=sys.stderr, flush=True)
+        for layers in args.layers.split(","):
+            name = q if layers == "native" else f"{q}, python layers"
+            native_layer = DecoderLayer.native if DecoderLayer is not None else None
+            if layers == "python" and DecoderLayer is not None:
+                DecoderLayer.native = lambda self: None
+            try:
+                rows[name] = breakdown(model, tok, args.prompt, args.tokens)
+            finally:
+                if DecoderLayer is not None:
+                    DecoderLayer.native = native_layer
+            rows[name]["kernel"] = ("verispec" if model.packed_head.native is not None else "oneDNN") if model.prepacked else None
+            rows[name]["quant"], rows[name]["layers"] = q, layers
+            print(f"[breakdown] {name}: {rows[name]}", file=sys.stderr, flush=True)
         del model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "breakdown.json").write_text(json.dumps({"config": vars(args) | {"threads": threads},
                                                     "read_bandwidth_gb_s": bw, "rows": rows}, indent=2))
-    cats = ["projections", "LM head", "attention", "norms", "everything else"]
+    cats = ["native layers", "projections", "LM head", "attention", "norms", "everything else"]
     md = [f"# One plain decode step of {args.model} at batch 1 ({threads} threads)", "",
-          f"`python benchmarks/step_breakdown.py --quant {args.quant} --tokens {args.tokens} --out {args.out}`; "
+          f"`python benchmarks/step_breakdown.py --quant {args.quant} --layers {args.layers} --tokens {args.tokens} "
+          f"--out {args.out}`; "
           f"read bandwidth {bw:.1f} GB/s (summing a 512 MiB fp32 tensor).", "",
           "| weights | MB read per step | bound (MB / bandwidth) | wall ms/step | tok/s | "
           + " | ".join(f"{c} ms" for c in cats) + " |", "|---" * (5 + len(cats)) + "|"]
@@ -175,12 +208,16 @@ def main() -> int:
         bound_ms = r["weight_bytes"] / (bw * 1e9) * 1e3
         p = r["profiled_ms_per_step"]
         packed = f" (prepacked, {r['kernel']} kernel)" if r["prepacked"] else ""
-        name = {"none": args.dtype + packed, "onednn": args.dtype + packed, "dense": args.dtype + " (row-major)"}.get(q, q)
+        q_name = r.get("quant", q)
+        name = {"none": args.dtype + packed, "onednn": args.dtype + packed,
+                "dense": args.dtype + " (row-major)"}.get(q_name, q_name) + (", Python layers" if r.get("layers") == "python" else "")
         md.append(f"| {name} | {mb:.0f} | {bound_ms:.1f} ms ({1e3 / bound_ms:.0f} tok/s) | "
                   f"{r['wall_ms_per_step']:.1f} | {1e3 / r['wall_ms_per_step']:.1f} | "
                   + " | ".join(f"{p.get(c, 0):.1f}" for c in cats) + " |")
     md += ["", "Profiled times are self CPU time per step under the profiler (it adds its own overhead to "
-               "every op, so the small ops look larger than they are); wall time is the median of 3 runs without it."]
+               "every op, so the small ops look larger than they are); wall time is the median of 3 runs without it. "
+               "'native layers' is the two native calls of each decoder layer (kernels/layer.c: its projections, "
+               "norms, RoPE, KV writes and activation); with Python layers those are the other columns."]
     (out / "breakdown.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
