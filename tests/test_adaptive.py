@@ -414,7 +414,7 @@ def test_step_cost_prices_the_lm_head_by_the_rows_it_is_given():
     sc = C.StepCost(prof)
     for _ in range(2):
         sc.record(16, 5.0, head_rows=7)  # 4 requests at window 3, one of them drafting: head(7) = 1.75
-    assert sc.seen[16][0] == pytest.approx(3.25)
+    assert sc.seen[16][0][1] == pytest.approx(3.25)  # (step, seconds less the head)
     # window 3 at 4 requests, all four drafting (16 head rows) or one (7): body 3.25 + head
     assert sc.table(4, 3, [4, 7, 10, 16])[3] == pytest.approx(3.25 + 4.0)
     assert sc.table(4, 3, [4, 5, 6, 7])[3] == pytest.approx(3.25 + 1.75)
@@ -430,6 +430,24 @@ def test_step_cost_at_a_seen_batch_size_and_window_is_what_those_steps_cost():
         sc.record(16, 3.0, num_reqs=4), sc.record(16, 5.0, num_reqs=2)
     assert sc.table(4, 3)[3] == pytest.approx(3.0) and sc.table(2, 7)[7] == pytest.approx(5.0)
     assert sc.table(8, 1)[1] == pytest.approx(4.0)
+
+
+def test_step_cost_forgets_a_bin_nobody_chose_for_a_while():
+    """Two slow early steps at 24 tokens price that bin at their median; once FORGET_AFTER later
+    steps have passed without it, it is priced from its fresher neighbours again (the line
+    between 16 and 32 tokens), and a fresh step there counts once more."""
+    sc = C.StepCost(CostProfile([1, 64], [1.0, 64.0]))
+    sc.record(24, 9.0, num_reqs=16), sc.record(24, 8.0, num_reqs=16)
+    for _ in range(2):
+        sc.record(16, 2.0, num_reqs=16), sc.record(32, 4.0, num_reqs=16)
+    assert sc.costs(16, [24])[0] == pytest.approx(8.5)  # the bin's own median (the profile has no head cost)
+    for i in range(C.StepCost.FORGET_AFTER):
+        sc.record(16 if i % 2 else 32, 2.0 if i % 2 else 4.0, num_reqs=16)
+    assert sc.costs(16, [24])[0] == pytest.approx(3.0), "the early outliers still price the bin"
+    sc.record(24, 3.5, num_reqs=16)
+    assert sc.costs(16, [24])[0] == pytest.approx(3.0), "one fresh step is not yet a price"
+    sc.record(24, 3.5, num_reqs=16)
+    assert sc.costs(16, [24])[0] == pytest.approx(3.5)
 
 
 def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
@@ -451,7 +469,7 @@ def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
     assert sum(len(q) for q in seen.values()) == decode_steps == len(forwards)
     assert sorted(t for t, q in seen.items() for _ in q) == sorted(t for _, t in forwards)
     assert sorted(k for k, q in policy.step_cost.seen_at.items() for _ in q) == sorted(forwards)
-    assert all(t > 0 for q in seen.values() for t in q)
+    assert all(t > 0 for q in seen.values() for _, t in q)
 
 
 @pytest.mark.parametrize("drafting", ["cheap", "dear"])

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
+
 FORMAT = "verispec-cost-profile/3"  # 2: repeats round the grid, true token counts; 3: the LM head alone
 CONTEXT = 256  # committed rows the dummy forwards attend to
 REPEATS = 5
@@ -105,7 +107,8 @@ def _interpolate(t: list[int], s: list[float], n: int) -> float:
 
 
 def profile_key(model) -> dict:
-    """What a profile depends on: the machine, the model (its config), dtype, device, threads."""
+    """What a profile depends on: the machine, the model (its config), dtype, device, threads, and
+    the code that runs it (the native kernels' sources, whether its layers run natively)."""
     c = model.config
     arch = {k: getattr(c, k, None) for k in ("model_type", "num_layers", "hidden_size", "intermediate_size",
                                               "num_heads", "num_kv_heads", "head_dim", "vocab_size")}
@@ -115,8 +118,12 @@ def profile_key(model) -> dict:
                     if ln.startswith("model name")), cpu)
     except OSError:
         pass
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    native = bool(layers) and hasattr(layers[0], "native") and layers[0].native() is not None
     return {"cpu": cpu, "cores": os.cpu_count(), "device": str(model.device), "dtype": str(model.dtype),
             "quant": getattr(model, "quant", "none"),
+            "kernels": kernels.source_hash() if kernels.bf16_gemm() is not None else None,
+            "native_layers": native,
             "threads": torch.get_num_threads(), "model": arch, "context": CONTEXT}
 
 
@@ -273,20 +280,38 @@ class StepCost:
     """
 
     MIN_SEEN = 2
+    FORGET_AFTER = 256  # steps: an older time no longer counts (see below)
 
     def __init__(self, profile: CostProfile, window: int = 16):
         self.profile = profile
         self.window = window
-        self.seen: dict[int, deque[float]] = {}  # tokens in the forward -> seconds of recent steps, less the head
-        self.seen_at: dict[tuple[int, int], deque[float]] = {}  # (requests, tokens in the forward) -> the same
+        self.steps = 0  # steps recorded so far: the clock samples are stamped with
+        self.seen: dict[int, deque[tuple[int, float]]] = {}  # tokens in the forward -> (step, seconds less the head)
+        self.seen_at: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (requests, tokens) -> the same
 
     def record(self, num_tokens: int, seconds: float, head_rows: int | None = None, num_reqs: int | None = None) -> None:
         """A step of num_reqs requests whose forward carried num_tokens tokens and whose LM head
         had head_rows rows (default: all of them) took `seconds` after drafting."""
         body = max(0.0, seconds - self.profile.head_cost(num_tokens if head_rows is None else head_rows))
-        self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append(body)
+        self.steps += 1
+        self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append((self.steps, body))
         if num_reqs:
-            self.seen_at.setdefault((num_reqs, num_tokens), deque(maxlen=self.window)).append(body)
+            self.seen_at.setdefault((num_reqs, num_tokens), deque(maxlen=self.window)).append((self.steps, body))
+
+    def _median(self, samples: deque | None) -> float | None:
+        """The median of a bin's times from the last FORGET_AFTER steps, None with fewer than MIN_SEEN.
+
+        Why forget: a bin is refreshed only when the planner chooses its plan, and the planner
+        refuses a plan its bin prices too dear. So two slow steps early in a run (a machine's
+        warm-up, a burst of other work) pinned a bin for good: in session 20's sweep at 16
+        streams two 24-token steps of 77.8 and 69.6 ms, against about 55 ms in steady state, kept
+        the policy from a plan that fixed k = 1 ran 3-5% faster. A bin nobody chose for
+        FORGET_AFTER steps is priced again from its fresher neighbours and the profile, and so
+        tried again if that says it pays: at worst one step in FORGET_AFTER per bin."""
+        if samples is None:
+            return None
+        fresh = [t for at, t in samples if self.steps - at < self.FORGET_AFTER]
+        return statistics.median(fresh) if len(fresh) >= self.MIN_SEEN else None
 
     def __call__(self, num_tokens: int) -> float:
         return self.costs(num_tokens, [num_tokens])[0]
@@ -300,12 +325,12 @@ class StepCost:
         """Seconds for steps of num_reqs requests whose forwards carry tokens[i] tokens (rising)
         and whose LM heads get head_rows[i] rows (default: all of them), monotone in i. The medians
         are taken once per call (once per step)."""
-        med = {t: statistics.median(q) for t, q in self.seen.items() if len(q) >= self.MIN_SEEN}
+        med = {t: m for t, q in self.seen.items() if (m := self._median(q)) is not None}
         known = sorted(med)
         out: list[float] = []
         for i, T in enumerate(tokens):
-            at = self.seen_at.get((num_reqs, T))
-            body = statistics.median(at) if at is not None and len(at) >= self.MIN_SEEN else self._estimate(T, known, med)
+            here = self._median(self.seen_at.get((num_reqs, T)))
+            body = here if here is not None else self._estimate(T, known, med)
             cost = body + self.profile.head_cost(T if head_rows is None else head_rows[i])
             out.append(max(cost, out[-1] if out else 0.0))
         return out

@@ -144,6 +144,12 @@ def isa() -> str | None:
     return fn().decode()
 
 
+def source_hash() -> str:
+    """A short hash of the kernels' C sources: what their speed depends on, besides the machine
+    (the adaptive policy's cost profiles are cached under it)."""
+    return hashlib.sha256("\0".join(p.read_text() for p in SOURCES + HEADERS).encode()).hexdigest()[:16]
+
+
 def why_not() -> str | None:
     """Why `bf16_gemm()` is None, in words; None when it is available (or not tried yet)."""
     return _WHY_NOT[0] if _WHY_NOT else None
