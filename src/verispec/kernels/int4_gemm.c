@@ -33,8 +33,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define LANES 16
-#define PASS_BLOCKS 4  /* the whole group per pass */
-#define TILE 2
+#define WIDE_BLOCKS 4  /* up to 2 rows: the whole group per pass */
+#define WIDE_TILE 2
+#define TALL_BLOCKS 1  /* 3 rows or more: one 16-row block per pass, 8 rows (16 of 32 registers hold sums) */
+#define TALL_TILE 8
 typedef __m512 vf;
 static inline vf load_nibbles(const uint8_t *p, int high) {
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -50,8 +52,10 @@ static inline vf load_bf16(const uint16_t *p) {
 #define STOREF _mm512_storeu_ps
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LANES 8
-#define PASS_BLOCKS 4  /* half a group per pass */
-#define TILE 1
+#define WIDE_BLOCKS 4  /* 1 row: half a group per pass */
+#define WIDE_TILE 1
+#define TALL_BLOCKS 1  /* 2 rows or more: one 8-row block per pass, 4 rows (8 of 16 registers hold sums) */
+#define TALL_TILE 4
 typedef __m256 vf;
 static inline vf load_nibbles(const uint8_t *p, int high) {
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -71,29 +75,31 @@ static inline vf load_bf16(const uint16_t *p) {
 
 #define BLOCKS (GROUP / LANES)
 
-/* MT (1 to TILE) rows of xf (fp32) from m0 against blocks b0 .. b0 + PASS_BLOCKS of one row
- * group: qg its codes [K, 32], sg / zg its scales and zeros [K / 32, 64]. */
+/* MT rows of xf (fp32) from m0 against blocks b0 .. b0 + PB of one row group: qg its codes
+ * [K, 32], sg / zg its scales and zeros [K / 32, 64]. MT and PB are constants at every call (the
+ * loops unroll, the sums stay in registers). A pass unpacks its blocks' nibbles once for all its
+ * rows, so a verify step's 6 rows take one pass per block instead of three passes of 2 rows. */
 static inline __attribute__((always_inline)) void group_rows(
         const float *xf, const float *sx, const uint8_t *qg, const uint16_t *sg, const uint16_t *zg,
-        uint16_t *y, int m0, const int MT, int n0, int b0, int N, int K) {
+        uint16_t *y, int m0, const int MT, const int PB, int n0, int b0, int N, int K) {
     const int G = K / QGROUP;
-    vf acc[TILE][PASS_BLOCKS], part[TILE][PASS_BLOCKS];
+    vf acc[8][4], part[8][4];  /* at most: the unused ones are never touched */
     for (int i = 0; i < MT; i++)
-        for (int t = 0; t < PASS_BLOCKS; t++) acc[i][t] = ZERO();
+        for (int t = 0; t < PB; t++) acc[i][t] = ZERO();
     for (int g = 0; g < G; g++) {
         for (int i = 0; i < MT; i++)
-            for (int t = 0; t < PASS_BLOCKS; t++) part[i][t] = ZERO();
+            for (int t = 0; t < PB; t++) part[i][t] = ZERO();
         for (int k = g * QGROUP; k < (g + 1) * QGROUP; k++) {
             const uint8_t *qk = qg + (size_t)k * (GROUP / 2);
             _mm_prefetch((const char *)qk + PREFETCH_AHEAD, _MM_HINT_T0);
-            for (int t = 0; t < PASS_BLOCKS; t++) {
+            for (int t = 0; t < PB; t++) {
                 int row = (b0 + t) * LANES;  /* within the group; a block lies in one half */
                 vf w = load_nibbles(qk + row % (GROUP / 2), row >= GROUP / 2);
                 for (int i = 0; i < MT; i++)
                     part[i][t] = FMADD(w, SPLAT(xf[(size_t)(m0 + i) * K + k]), part[i][t]);
             }
         }
-        for (int t = 0; t < PASS_BLOCKS; t++) {
+        for (int t = 0; t < PB; t++) {
             int row = (b0 + t) * LANES;
             vf s = load_bf16(sg + (size_t)g * GROUP + row), z = load_bf16(zg + (size_t)g * GROUP + row);
             vf offset = FMADD(SPLAT(-8.0f), s, z);  /* z - 8 s */
@@ -102,7 +108,7 @@ static inline __attribute__((always_inline)) void group_rows(
         }
     }
     for (int i = 0; i < MT; i++)
-        for (int t = 0; t < PASS_BLOCKS; t++) {
+        for (int t = 0; t < PB; t++) {
             int n = n0 + (b0 + t) * LANES;
             if (n >= N) break;
             float v[LANES];
@@ -110,6 +116,26 @@ static inline __attribute__((always_inline)) void group_rows(
             uint16_t *out = y + (size_t)(m0 + i) * N + n;
             for (int l = 0; l < LANES && n + l < N; l++) out[l] = to_bf16(v[l]);
         }
+}
+
+/* All M rows against one row group, TILE rows and PB blocks a pass (both constants). */
+static inline __attribute__((always_inline)) void group_all_rows(
+        const float *xf, const float *sx, const uint8_t *qg, const uint16_t *sg, const uint16_t *zg,
+        uint16_t *y, int M, const int TILE, const int PB, int n0, int N, int K) {
+    for (int b0 = 0; b0 < BLOCKS; b0 += PB) {
+        if (n0 + b0 * LANES >= N) break;
+        int m0 = 0;
+        for (; m0 + TILE <= M; m0 += TILE) group_rows(xf, sx, qg, sg, zg, y, m0, TILE, PB, n0, b0, N, K);
+        switch (M - m0) {  /* constant tile heights, so each is unrolled */
+            case 7: if (TILE > 7) group_rows(xf, sx, qg, sg, zg, y, m0, 7, PB, n0, b0, N, K); break;
+            case 6: if (TILE > 6) group_rows(xf, sx, qg, sg, zg, y, m0, 6, PB, n0, b0, N, K); break;
+            case 5: if (TILE > 5) group_rows(xf, sx, qg, sg, zg, y, m0, 5, PB, n0, b0, N, K); break;
+            case 4: if (TILE > 4) group_rows(xf, sx, qg, sg, zg, y, m0, 4, PB, n0, b0, N, K); break;
+            case 3: if (TILE > 3) group_rows(xf, sx, qg, sg, zg, y, m0, 3, PB, n0, b0, N, K); break;
+            case 2: if (TILE > 2) group_rows(xf, sx, qg, sg, zg, y, m0, 2, PB, n0, b0, N, K); break;
+            case 1: if (TILE > 1) group_rows(xf, sx, qg, sg, zg, y, m0, 1, PB, n0, b0, N, K); break;
+        }
+    }
 }
 
 /* x [M, K] bf16 (K a multiple of 32), qp / scale / zero packed as above, y [M, N] bf16. */
@@ -131,14 +157,10 @@ void verispec_int4_gemm(const uint16_t *x, const uint8_t *qp, const uint16_t *sc
     for (int grp = 0; grp < groups; grp++) {
         const uint8_t *qg = qp + (size_t)grp * K * (GROUP / 2);
         const uint16_t *sg = scale + (size_t)grp * G * GROUP, *zg = zero + (size_t)grp * G * GROUP;
-        for (int b0 = 0; b0 < BLOCKS; b0 += PASS_BLOCKS) {
-            if (grp * GROUP + b0 * LANES >= N) break;
-            int m0 = 0;
-            for (; m0 + TILE <= M; m0 += TILE) group_rows(xf, sx, qg, sg, zg, y, m0, TILE, grp * GROUP, b0, N, K);
-#if TILE > 1
-            if (M - m0 == 1) group_rows(xf, sx, qg, sg, zg, y, m0, 1, grp * GROUP, b0, N, K);
-#endif
-        }
+        if (M <= WIDE_TILE)
+            group_all_rows(xf, sx, qg, sg, zg, y, M, WIDE_TILE, WIDE_BLOCKS, grp * GROUP, N, K);
+        else
+            group_all_rows(xf, sx, qg, sg, zg, y, M, TALL_TILE, TALL_BLOCKS, grp * GROUP, N, K);
     }
     free(xf);
     free(sx);
