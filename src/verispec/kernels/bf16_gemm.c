@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 
 #define GROUP 64  /* weight rows per packed group */
@@ -76,7 +77,7 @@ static inline __attribute__((always_inline)) void group_rows(
         }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#ifdef VERISPEC_AMX
 /* AMX: `tdpbf16ps` multiplies a tile of up to 16 input rows by 32 input columns against a tile of
  * 32 columns (16 pairs) by 16 output rows in one instruction, so a step of 16 requests costs about
  * what one costs: the weights' reads, not the products, set the time (`vdpbf16ps` takes 4 input
@@ -89,38 +90,6 @@ static inline __attribute__((always_inline)) void group_rows(
  * count or the tile a row shares: batch-invariant, as the other paths. Every call on a machine
  * takes this path when its K is a multiple of 32 (decided by the weight's shape, never by M), so
  * a row has the same bits in any call; the bits differ from the `vdpbf16ps` path's. */
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define AMX_K 32  /* input columns a tile step covers */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_ready = -1;  /* -1: not asked yet; 0: the kernel refused (the vdpbf16ps path runs) */
-
-/* Linux lends a process the AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM). */
-static int amx_enabled(void) {
-    if (amx_ready < 0) amx_ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return amx_ready;
-}
-
-/* Tiles 0-3: the accumulators of one group's 4 blocks of 16 output rows (MT rows each); 4: MT
- * input rows by 32 columns; 5-7: weight tiles, 16 column pairs by 16 output rows. */
-static void amx_configure(int MT) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = t <= 4 ? (uint8_t)MT : 16;
-    }
-    _tile_loadconfig(&c);
-}
-
 /* Rows m0 .. m0 + MT (MT <= 16, the tiles configured for it) against one group. */
 static void amx_group_rows(const uint16_t *x, const uint16_t *wg, const float *bias, uint16_t *y,
                            int m0, int MT, int n0, int N, int K) {
@@ -166,7 +135,7 @@ static void amx_gemm(const uint16_t *x, const uint16_t *wp, const float *bias, u
             for (int m0 = 0; m0 < M; m0 += 16) {
                 int MT = M - m0 < 16 ? M - m0 : 16;
                 if (MT != configured) {
-                    amx_configure(MT);
+                    verispec_amx_configure(MT);
                     configured = MT;
                 }
                 amx_group_rows(x, wg, bias, y, m0, MT, g * GROUP, N, K);
@@ -175,14 +144,13 @@ static void amx_gemm(const uint16_t *x, const uint16_t *wp, const float *bias, u
         if (configured) _tile_release();
     }
 }
-#define HAVE_AMX 1
 #endif
 
 /* x [M, K] bf16 (K even), wp packed as above, bias [N] fp32 or NULL, y [M, N] bf16. */
 void verispec_bf16_gemm(const uint16_t *x, const uint16_t *wp, const float *bias, uint16_t *y,
                         int M, int N, int K, int threads) {
-#ifdef HAVE_AMX
-    if (K % AMX_K == 0 && amx_enabled()) {
+#ifdef VERISPEC_AMX
+    if (K % AMX_K == 0 && verispec_amx_enabled()) {
         amx_gemm(x, wp, bias, y, M, N, K, threads);
         return;
     }
@@ -317,8 +285,8 @@ void verispec_bf16_gemm(const uint16_t *x, const uint16_t *wp, const float *bias
 /* Which the library was built for ("avx512-bf16", "avx512" or "avx2"), "amx-bf16" where it also
  * runs AMX (a shape whose K is a multiple of 32 then takes it). */
 const char *verispec_kernel_isa(void) {
-#ifdef HAVE_AMX
-    if (amx_enabled()) return "amx-bf16";
+#ifdef VERISPEC_AMX
+    if (verispec_amx_enabled()) return "amx-bf16";
 #endif
     return ISA;
 }
