@@ -432,6 +432,20 @@ def test_step_cost_at_a_seen_batch_size_and_window_is_what_those_steps_cost():
     assert sc.table(8, 1)[1] == pytest.approx(4.0)
 
 
+def test_a_started_tile_costs_a_whole_one():
+    """On AMX (granule 16) a forward of 65 tokens costs what 80 do, past the first tile; within it,
+    the measured line; unseen counts are priced at whole tiles from a seen one; the granule is kept."""
+    prof = CostProfile([1, 16, 64, 128], [1.0, 2.0, 4.0, 8.0], granule=16)
+    assert prof.verify_cost(65) == prof.verify_cost(80) == pytest.approx(5.0)
+    assert prof.verify_cost(8) == pytest.approx(1.0 + 7 / 15)
+    assert CostProfile([1, 16, 64, 128], [1.0, 2.0, 4.0, 8.0]).verify_cost(65) == pytest.approx(4.0625)
+    sc = C.StepCost(prof)
+    for _ in range(2):
+        sc.record(64, 3.0, num_reqs=64)
+    assert sc.costs(64, [70])[0] == pytest.approx(3.0 * 5.0 / 4.0)
+    assert CostProfile.from_dict(json.loads(json.dumps(prof.to_dict()))).granule == 16
+
+
 def test_step_cost_forgets_a_bin_nobody_chose_for_a_while():
     """Two slow early steps at 24 tokens price that bin at their median; once FORGET_AFTER later
     steps have passed without it, it is priced from its fresher neighbours again (the line

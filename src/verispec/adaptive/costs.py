@@ -37,7 +37,7 @@ import torch
 
 from .. import kernels
 
-FORMAT = "verispec-cost-profile/3"  # 2: repeats round the grid, true token counts; 3: the LM head alone
+FORMAT = "verispec-cost-profile/4"  # 2: repeats round the grid, true token counts; 3: the LM head alone; 4: tiles
 CONTEXT = 256  # committed rows the dummy forwards attend to
 REPEATS = 5
 
@@ -67,15 +67,22 @@ class CostProfile:
     key: dict = field(default_factory=dict)  # what it was measured for
     head_tokens: list[int] = field(default_factory=list)  # rows given to the LM head alone
     head_seconds: list[float] = field(default_factory=list)  # its cost at each, monotone (empty: not measured)
+    granule: int = 1  # rows the matmuls take a tile at a time (16 on AMX); a started tile costs a whole one
+
+    def tiles(self, n: int) -> int:
+        """n rounded up to whole tiles past the first: on AMX a 65-row matmul runs 5 tiles of 16
+        rows, and its cost is 80 rows' (up to one tile, rows cost by the reads and stay as measured)."""
+        g = self.granule
+        return n if g <= 1 or n <= g else -(-n // g) * g
 
     def verify_cost(self, num_tokens: int) -> float:
-        """Seconds for one target forward over num_tokens tokens (linear between grid points,
-        linear extrapolation past the last)."""
-        return _interpolate(self.tokens, self.seconds, num_tokens)
+        """Seconds for one target forward over num_tokens tokens (linear between grid points over
+        whole tiles, linear extrapolation past the last)."""
+        return _interpolate(self.tokens, self.seconds, self.tiles(num_tokens))
 
     def head_cost(self, rows: int) -> float:
         """Seconds of the LM head over `rows` rows (0 when not measured)."""
-        return _interpolate(self.head_tokens, self.head_seconds, rows) if self.head_tokens else 0.0
+        return _interpolate(self.head_tokens, self.head_seconds, self.tiles(rows)) if self.head_tokens else 0.0
 
     def body_cost(self, num_tokens: int) -> float:
         """The forward without its LM head: the engine runs the head on the real rows only (a
@@ -84,7 +91,7 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "key": self.key, "tokens": self.tokens, "seconds": self.seconds,
-                "head_tokens": self.head_tokens, "head_seconds": self.head_seconds}
+                "head_tokens": self.head_tokens, "head_seconds": self.head_seconds, "granule": self.granule}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostProfile":
@@ -92,7 +99,8 @@ class CostProfile:
                 or len(d.get("head_tokens", [])) != len(d.get("head_seconds", [])):
             raise ValueError("not a verispec cost profile")
         return cls(list(d["tokens"]), monotone([float(x) for x in d["seconds"]]), d.get("key", {}),
-                   list(d.get("head_tokens", [])), monotone([float(x) for x in d.get("head_seconds", [])]))
+                   list(d.get("head_tokens", [])), monotone([float(x) for x in d.get("head_seconds", [])]),
+                   int(d.get("granule", 1)))
 
 
 def _interpolate(t: list[int], s: list[float], n: int) -> float:
@@ -191,7 +199,22 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
             progress(n, sec)
     model.set_batch_invariant(was)
     return CostProfile(grid, monotone(seconds), head_tokens=grid,
-                       head_seconds=monotone([statistics.median(head_times[n]) for n in grid]))
+                       head_seconds=monotone([statistics.median(head_times[n]) for n in grid]),
+                       granule=tile_rows(model))
+
+
+def tile_rows(model) -> int:
+    """Rows the target's matmuls take a tile at a time: 16 where its bf16 weights run on AMX
+    (kernels/bf16_gemm.c), else 1 (the other kernels' passes are a few rows, close to linear).
+
+    Why it matters: a step's cost jumps where its rows start a tile. At 64 streams on AMX, steps
+    that verified 23-27 nodes besides the 64 rows (two more tiles) took 110-111 ms against 80.4 for
+    the 64 rows alone, where the line between measured counts had said about 101: plans predicted
+    5% faster than plain decoding ran 1-3% slower (benchmarks/results/adaptive-s22/plan_trace_64.txt)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or model.dtype != torch.bfloat16 or model.device.type != "cpu" or not getattr(model, "prepacked", False):
+        return 1
+    return 16 if kernels.isa() == "amx-bf16" and model.packed_head is not None and model.packed_head.native else 1
 
 
 def load_or_measure(model, max_tokens: int, max_batch: int, progress=None) -> CostProfile:
@@ -330,7 +353,7 @@ class StepCost:
         out: list[float] = []
         for i, T in enumerate(tokens):
             here = self._median(self.seen_at.get((num_reqs, T)))
-            body = here if here is not None else self._estimate(T, known, med)
+            body = here if here is not None else self._estimate(self.profile.tiles(T), known, med)
             cost = body + self.profile.head_cost(T if head_rows is None else head_rows[i])
             out.append(max(cost, out[-1] if out else 0.0))
         return out
