@@ -226,7 +226,7 @@ def _cache_kv(k_cache, v_cache, slots, rows, kv_view, mask, paths: PathViews | N
     kv.route = paths
     kv.slots = None if paths is not None else read_slots
     kv.read = read  # what to attend, once the keys and values are written (a native layer writes them)
-    kv.cache = (k_cache, v_cache, *flat)  # where: the caches, each entry's slot and row [B * T] int64
+    kv.cache = (k_cache, v_cache, *flat) if flat else None  # where: the caches, each entry's slot and row [B * T] int64
     return kv
 
 
