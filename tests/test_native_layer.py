@@ -130,3 +130,44 @@ def test_native_activation_is_the_exact_function_rounded(activation):
     off = (got != want) & normal
     assert not (off & ~near_tie).any(), f"{g[off & ~near_tie][:5]} -> {got[off & ~near_tie][:5]}, not {want[off & ~near_tie][:5]}"
     assert (got[~normal].double().abs() <= 1e-29).all() and not got.isnan().any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("packing", ["bf16", "int8"])
+def test_sampled_output_through_native_layers_is_the_targets_distribution(packing):
+    """Speculative sampling (n-gram drafts, k = 3, T = 1) on a packed target whose layers run
+    natively: 3,500 seeded requests against the exact joint distribution of 4 tokens, enumerated
+    with the same model's own forward (distcheck), never outside its support, TV under the null's
+    threshold; drafts both accepted and rejected."""
+    from test_sampling_lossless import M, PROMPT, V, target_and_draft_hf
+
+    from verispec.distcheck import exact_distribution, null_tv, tv
+    from verispec.drafters.ngram import NgramDrafter
+    from verispec.engine import Engine, EngineConfig
+    from verispec.sampling import SamplingParams
+
+    hf, _ = target_and_draft_hf()
+    target = PACKINGS[packing](ours_from_hf(hf).to(torch.bfloat16).fuse())
+    assert all(layer.native() is not None for layer in target.model.layers)
+    sp = SamplingParams(max_tokens=M, temperature=1.0, ignore_eos=True)
+    exact = exact_distribution(target, PROMPT, sp, M)
+    assert exact.borderline is None
+    cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=3, dtype="bfloat16",
+                       max_batch_size=512, max_model_len=16)
+    eng = Engine(target, None, cfg, drafter=NgramDrafter())
+    n = 3500
+    seqs = [eng.add_request(PROMPT, SamplingParams(max_tokens=M, temperature=1.0, ignore_eos=True, seed=9_000 + i))
+            for i in range(n)]
+    while eng.has_work:
+        eng.step()
+    index = exact.index()
+    outside = [s.output_ids for s in seqs if tuple(s.output_ids) not in index]
+    assert not outside, f"outputs outside the exact support: {outside[:3]}"
+    counts = torch.zeros(len(exact.outcomes), dtype=torch.float64)
+    for s in seqs:
+        counts[index[tuple(s.output_ids)]] += 1
+    drafted, accepted = sum(s.stats.drafted for s in seqs), sum(s.stats.accepted for s in seqs)
+    assert 0 < accepted < drafted, "need both accepted and rejected drafts"
+    null = null_tv(exact.probs, n)
+    assert tv(counts, exact.probs) < null.threshold, (tv(counts, exact.probs), null)
+    assert V ** M >= len(exact.outcomes) > 1

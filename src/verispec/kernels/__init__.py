@@ -10,7 +10,8 @@
   `grouped_attention`, at inference): batch-invariant by construction on any CPU;
 - `layer.c`: a decoder layer on packed weights in two calls around the attention
   (models/native_layer.py), from the kernels above, and its activation times the up projection;
-- `argmax.c`: each row's argmax of fp32 logits, torch's definition (greedy verification).
+- `argmax.c`: each row's argmax of fp32 logits, torch's definition (greedy verification);
+- `amx.c`: whether Linux lends the process AMX's tile state, and the tile layout `bf16_gemm.c` uses.
 The sources are compiled together with `-march=native` on first use into the verispec cache
 (`$VERISPEC_CACHE/kernels`, the file named by a hash of the sources, the compiler and the CPU's
 flags) in about a second, and reused after that. It links the OpenMP runtime by its soname,

@@ -10,8 +10,8 @@ native calls around the attention instead:
     y = post(o, x)    o projection, norms and residuals, gate/up, act(g) * u, down
 
 Every kernel is the one the Python path calls, in the same order, so the layer's output has the
-same bits but for the activation, which is layer.c's own (silu or tanh-GELU, within 2e-7 of the
-exact value before the bf16 rounding: tests/test_native_kernels.py). A model takes one path for all
+same bits but for the activation, which is layer.c's own (silu or tanh-GELU: the exact value
+rounded to bf16, except within 1e-6 of a tie between two bf16 values: tests/test_native_layer.py). A model takes one path for all
 its inference forwards (prefill, decode, verification, trees), so speculative decoding stays
 lossless; training (autograd), other dtypes and devices, and unpacked weights take the Python path.
 
@@ -95,6 +95,9 @@ class NativeLayer:
         """x [B, T, H] dense, cos / sin [B, 1, T, hd], cache = (k_cache, v_cache [S, kvh, L, hd], slots,
         rows [B * T] int64): writes the entries' keys and values, returns q [B, heads, T, hd]."""
         k_cache, v_cache, slots, rows = cache
+        if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:  # layer.c writes both through k's strides
+            raise ValueError(f"K/V caches of strides {k_cache.stride()} and {v_cache.stride()}: the native layer "
+                             f"needs one layout with dense heads")
         B, T, _ = x.shape
         c, s = cos[:, 0], sin[:, 0]  # [B, T, hd]
         if c.stride(-1) != 1 or s.stride() != c.stride():
