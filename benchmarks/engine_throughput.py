@@ -16,9 +16,9 @@ import json
 import statistics
 import time
 
-from verispec.threads import prefer_passive_waits
+from verispec.threads import choose_wait_policy
 
-prefer_passive_waits()
+choose_wait_policy()
 
 import torch  # noqa: E402
 

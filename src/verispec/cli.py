@@ -13,7 +13,7 @@ import sys
 
 from .errors import EXIT_USER_ERROR, UserError
 from .options import Parser, engine_options, int_range
-from .threads import prefer_passive_waits, setup_threads
+from .threads import choose_wait_policy, setup_threads
 
 __all__ = ["EXIT_USER_ERROR", "UserError", "build_parser", "main"]
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging()
     if getattr(args, "passive_waits", True):  # `bench` keeps OpenMP's default (bench/cli.py)
-        prefer_passive_waits()  # before any command imports torch
+        choose_wait_policy()  # passive waits on a busy machine; before any command imports torch
     try:
         return args.run(args) or 0
     except UserError as e:

@@ -2,27 +2,66 @@
 
 torch runs one OpenMP thread per core. Decoding a small model is a long series of short parallel
 regions, each ending in a barrier, and by default a thread that reaches the barrier first spins
-for a while. When other processes hold the cores, the spinning threads burn the time slices the
-late thread needs, and every barrier waits for a thread that has no core: on 2 cores with 2 busy
-processes, plain decoding ran at 0.51 tok/s with 2 threads against 0.80 with one (issue 14).
+for a while (libgomp: 300,000 times) before it sleeps. When other processes hold the cores, the
+spinning threads burn the time slices the late thread needs, and every barrier waits for a thread
+that has no core: on 2 cores with 2 busy processes, plain decoding ran at 0.51 tok/s with 2
+threads against 0.80 with one (issue 14), and 1.12 with 2 threads that sleep at barriers
+(OMP_WAIT_POLICY=PASSIVE). On an idle machine it is the other way round: a thread that sleeps at
+every barrier is woken up again a few microseconds later, and with native layers a step is 150
+barriers; plain int8 decoding ran at 83 tok/s passive against 150 with the default spins
+(README.md, "Threads on a shared machine").
 
-The commands therefore ask OpenMP to sleep at barriers instead (OMP_WAIT_POLICY=PASSIVE). Then
-all cores remain the better choice even when the machine is busy, since the scheduler gives each
-thread its share: 1.12 tok/s with 2 threads against 0.81 with one, in the same run
-(README.md, "Threads on a shared machine", has the measurements). The policy must be set before
-torch is imported; the commands do it first thing. An explicit --threads, OMP_NUM_THREADS or
-OMP_WAIT_POLICY always wins. The Python API leaves both to the caller, whose process it is.
+So the commands look before they choose: `choose_wait_policy` reads how busy the cores are for a
+tenth of a second (/proc/stat) and asks for passive waits only when other work keeps at least
+half a core busy, or where it cannot tell. The policy must be set before torch is imported; the
+commands do it first thing. An explicit --threads, OMP_NUM_THREADS or OMP_WAIT_POLICY always
+wins. The Python API leaves both to the caller, whose process it is.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 
-def prefer_passive_waits() -> None:
-    """OpenMP threads sleep at barriers instead of spinning (unless the user chose a policy).
-    Only effective before torch (and its OpenMP runtime) is loaded."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+BUSY_CORES = 0.5  # other work keeping this much of the machine's cores busy makes the waits passive
+PROBE_SECONDS = 0.1
+
+
+def read_cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, from /proc/stat's first line; None where
+    there is no such file (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])  # user .. steal (guest time is inside user)
+
+
+def busy_cores(seconds: float = PROBE_SECONDS) -> float | None:
+    """How many cores other work kept busy over the next `seconds` (this process sleeps through
+    them); None where it cannot be read."""
+    before = read_cpu_times()
+    time.sleep(seconds)
+    after = read_cpu_times()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * (os.cpu_count() or 1)
+
+
+def choose_wait_policy() -> str | None:
+    """Set OMP_WAIT_POLICY=PASSIVE when the machine is busy (or its load cannot be read), leave
+    OpenMP's default spinning on an idle one. Returns the policy set, None if the default stays
+    or the user already chose. Only effective before torch (and its OpenMP runtime) is loaded."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return None
+    busy = busy_cores()
+    if busy is not None and busy < BUSY_CORES:
+        return None
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "PASSIVE"
 
 
 def setup_threads(requested: int | None) -> int:
