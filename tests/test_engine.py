@@ -154,3 +154,51 @@ def test_kv_memory_budget_is_enforced_up_front(target):
     eng = engine(target, max_batch_size=2, kv_cache_mb=64)  # fits
     total = sum(t.numel() * t.element_size() for t in (*eng.cache.k, *eng.cache.v))
     assert total <= 64 * 2**20
+
+
+class TapRecorder(NgramDrafter):
+    """The n-gram drafter, also keeping every target hidden state the engine hands it."""
+
+    target_taps = (0, -1)
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[int, dict[int, list[torch.Tensor]]] = {}
+
+    def on_commit(self, seq, start, hidden):
+        super().on_commit(seq, start, hidden)
+        for tap, h in hidden.items():
+            self.seen.setdefault(seq.id, {}).setdefault(tap, []).append(h.clone())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_packed_prefill_of_several_prompts_has_one_prompts_bits(family):
+    """Prompts admitted together are prefilled in one packed forward (several prompts' chunks, one
+    cut across two steps): every token, every logprob of the first token and every hidden state the
+    drafter receives must equal a prefill of that prompt alone, in bf16."""
+    target = ours_from_hf(build_hf(family)).to(torch.bfloat16)
+    prompts = [random_ids(n, 160, seed=n)[0].tolist() for n in (23, 9, 14, 40)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def run(ps, chunk):
+        rec = TapRecorder()
+        cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=3, dtype="bfloat16",
+                           max_batch_size=4, max_model_len=128, prefill_chunk=chunk)
+        eng = Engine(target, None, cfg, rec)
+        seqs = [eng.add_request(p, sp) for p in ps]
+        eng.step()
+        started = sum(s.num_output > 0 for s in seqs)
+        while eng.has_work:
+            eng.step()
+        return seqs, rec, started
+
+    seqs, rec, started = run(prompts, 64)  # 23 + 9 + 14 in one forward, then 18 of the 40, then the rest
+    assert started == 3
+    for p, s in zip(prompts, seqs):
+        [a], arec, _ = run([p], 4096)
+        assert s.output_ids == a.output_ids
+        assert s.logprobs[0] == a.logprobs[0]
+        for tap in (0, -1):  # the prompt's rows, in whatever pieces they came
+            got = torch.cat([h for h in rec.seen[s.id][tap]])[: len(p)]
+            want = torch.cat([h for h in arec.seen[a.id][tap]])[: len(p)]
+            assert torch.equal(got, want), tap

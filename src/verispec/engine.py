@@ -302,37 +302,75 @@ class Engine:
 
     def _prefill_step(self) -> list[StepEvent]:
         """Feed prompt chunks, at most `prefill_chunk` tokens in all per step, so a long prompt
-        delays the running requests' decode by one chunk at a time instead of stalling them."""
-        budget = self.config.prefill_chunk
-        events = []
-        self.model.set_batch_invariant(self.invariant)  # a prompt's bits must not depend on its chunking
-        for seq in list(self.prefilling):
+        delays the running requests' decode by one chunk at a time instead of stalling them. The
+        chunks of several requests go through one forward (packed, where chains are): a request's
+        own forward would read every weight again and multiply the LM head for its one row (at 64
+        streams, 64 prompts cost 64 reads of the 335 MB head)."""
+        chunks, twins, budget = [], {}, self.config.prefill_chunk
+        for seq in self.prefilling:
             if budget <= 0:
                 break
-            if seq not in self.prefilling:  # a twin of a prompt finished earlier in this loop
+            if any(seq is t for ts in twins.values() for t in ts):
                 continue
             done_rows = self.cache.lengths[seq.slot]
             chunk_ids = seq.prompt_ids[done_rows : done_rows + budget]
             last = done_rows + len(chunk_ids) == len(seq.prompt_ids)
-            out = self.model(
-                torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
-                logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
-                kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.invariant else None,
-            )
-            self.cache.commit(seq.slot, len(chunk_ids))
-            self._on_commit(seq, out, 0, done_rows, range(len(chunk_ids)))
+            chunks.append((seq, done_rows, chunk_ids, last))
             budget -= len(chunk_ids)
-            if last:
+            if last and done_rows == 0:
                 # requests with the same prompt, admitted but not started, take a copy of its rows
                 # (a one-chunk prefill's bits): parallel sampling prefills a prompt once
-                twins = [t for t in self.prefilling if t is not seq and done_rows == 0 and not self.cache.lengths[t.slot]
-                         and t.prompt_ids == seq.prompt_ids]
-                for s in [seq, *twins]:
-                    if s is not seq:
-                        self.cache.share_prefix(seq.slot, s.slot, len(chunk_ids))
-                        self._on_commit(s, out, 0, 0, range(len(chunk_ids)))
-                    events.append(self._first_token(s, out.logits[0]))
+                twins[seq.id] = [t for t in self.prefilling if t is not seq and not self.cache.lengths[t.slot]
+                              and t.prompt_ids == seq.prompt_ids and not any(t is c[0] for c in chunks)]
+        if not chunks:
+            return []
+        self.model.set_batch_invariant(self.invariant)  # a prompt's bits must not depend on its chunking
+        if len(chunks) > 1 and self.packs_chains:
+            outs, logits = self._packed_prefill(chunks)
+        else:
+            outs, logits = [], []
+            for seq, done_rows, chunk_ids, last in chunks:
+                out = self.model(
+                    torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
+                    logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
+                    kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.invariant else None,
+                )
+                outs.append(out)
+                logits.append(out.logits[0] if last else None)
+        events = []
+        for (seq, done_rows, chunk_ids, last), out, lg in zip(chunks, outs, logits):
+            self.cache.commit(seq.slot, len(chunk_ids))
+            self._on_commit(seq, out, 0, done_rows, range(len(chunk_ids)))
+            if not last:
+                continue
+            for t in twins.get(seq.id, []):
+                self.cache.share_prefix(seq.slot, t.slot, len(chunk_ids))
+                self._on_commit(t, out, 0, 0, range(len(chunk_ids)))
+            for s in [seq, *twins.get(seq.id, [])]:
+                events.append(self._first_token(s, lg))
         return events
+
+    def _packed_prefill(self, chunks) -> tuple[list[ForwardOutput], list[torch.Tensor | None]]:
+        """The prompt chunks of several requests as one forward of single-token entries, each at its
+        own slot and cache row (as `_chain_forward` packs a batch's drafts: every entry's mask is
+        plain decoding's for its row, so the bits are a one-request prefill's), then one LM head
+        call over the last rows of the prompts that end here. Returns, per chunk, its hidden states
+        as a one-request forward's ([1, n, H]) and its logits [1, V] (None where the prompt goes on)."""
+        dev = self.model.device
+        ids = torch.tensor([t for _, _, c, _ in chunks for t in c])[:, None]  # [E, 1]
+        slots = [seq.slot for seq, _, c, _ in chunks for _ in c]
+        rows = torch.tensor([d + j for _, d, c, _ in chunks for j in range(len(c))])  # [E]: cache row = position
+        kv_len = round_up(int(rows.max()) + 1, KV_BLOCK) if self.invariant else None
+        out = self.model(ids.to(dev), self.cache, slots, rows, taps=self._taps, kv_len=kv_len, want_logits=False)
+        ends = list(itertools.accumulate(len(c) for _, _, c, _ in chunks))
+        lasts = [e - 1 for e, (_, _, _, last) in zip(ends, chunks) if last]
+        head = iter(self.model.lm_logits(out.last_hidden[lasts, 0]).split(1) if lasts else [])  # [1, V] each
+        outs, logits = [], []
+        for (_, _, c, last), e in zip(chunks, ends):
+            part = slice(e - len(c), e)
+            outs.append(ForwardOutput(None, {i: h[part, 0][None] for i, h in out.hidden.items()}, out.last_hidden[part, 0][None]))
+            logits.append(next(head) if last else None)
+        return outs, logits
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> StepEvent:
         """The prompt is in the cache: sample token 1 from the last prompt row's logits [1, V]."""
