@@ -104,12 +104,12 @@ class CostProfile:
 
 
 def _interpolate(t: list[int], s: list[float], n: int) -> float:
-    """s at n: linear between grid points t, linear extrapolation past the last."""
+    """s at n: linear between grid points t (rising), linear extrapolation past the last."""
     if n <= t[0]:
         return s[0]
-    for i in range(1, len(t)):
-        if n <= t[i]:
-            return s[i - 1] + (s[i] - s[i - 1]) * (n - t[i - 1]) / (t[i] - t[i - 1])
+    i = bisect.bisect_left(t, n)  # t[i - 1] < n <= t[i]
+    if i < len(t):
+        return s[i - 1] + (s[i] - s[i - 1]) * (n - t[i - 1]) / (t[i] - t[i - 1])
     slope = (s[-1] - s[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
     return s[-1] + slope * (n - t[-1])
 
@@ -350,9 +350,11 @@ class StepCost:
         are taken once per call (once per step)."""
         med = {t: m for t, q in self.seen.items() if (m := self._median(q)) is not None}
         known = sorted(med)
+        # this batch size's own medians, once per call (at 64 requests a plan prices ~450 budgets)
+        here_at = {t: m for (n, t), q in self.seen_at.items() if n == num_reqs and (m := self._median(q)) is not None}
         out: list[float] = []
         for i, T in enumerate(tokens):
-            here = self._median(self.seen_at.get((num_reqs, T)))
+            here = here_at.get(T)
             body = here if here is not None else self._estimate(self.profile.tiles(T), known, med)
             cost = body + self.profile.head_cost(T if head_rows is None else head_rows[i])
             out.append(max(cost, out[-1] if out else 0.0))
