@@ -20,8 +20,11 @@ wins. The Python API leaves both to the caller, whose process it is.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+
+log = logging.getLogger(__name__)
 
 
 BUSY_CORES = 0.5  # other work keeping this much of the machine's cores busy makes the waits passive
@@ -53,14 +56,19 @@ def busy_cores(seconds: float = PROBE_SECONDS) -> float | None:
 
 def choose_wait_policy() -> str | None:
     """Set OMP_WAIT_POLICY=PASSIVE when the machine is busy (or its load cannot be read), leave
-    OpenMP's default spinning on an idle one. Returns the policy set, None if the default stays
-    or the user already chose. Only effective before torch (and its OpenMP runtime) is loaded."""
+    OpenMP's default spinning on an idle one, and say which (logged: a server's log tells what its
+    threads do). Returns the policy set, None if the default stays or the user already chose.
+    Only effective before torch (and its OpenMP runtime) is loaded."""
     if "OMP_WAIT_POLICY" in os.environ:
+        log.info("OpenMP waits: %s (OMP_WAIT_POLICY)", os.environ["OMP_WAIT_POLICY"])
         return None
     busy = busy_cores()
+    seen = "the load could not be read" if busy is None else f"other work kept {busy:.2f} cores busy"
     if busy is not None and busy < BUSY_CORES:
+        log.info("OpenMP waits: default spins (%s)", seen)
         return None
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    log.info("OpenMP waits: passive (%s)", seen)
     return "PASSIVE"
 
 

@@ -83,16 +83,19 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
                      quant: str = "none", pool: list[Prompt] | None = None) -> list[dict]:
     """Sweep points (the in-process sweep's dict shape, `"via": "server"`), medians over rounds."""
     names = {spec: f"{spec or 'plain'} (server)" for spec in drafters}
-    servers = {}
+    servers, waits = {}, {}
     try:
         for spec in drafters:
             drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else ("none", "chain", 0, "fixed")
             args = ["--model", model, "--drafter", drafter, "-k", str(kk), "--tree", tree, "--draft-policy", policy,
                     "--dtype", dtype, "--quant", quant, "--max-batch-size", str(max(concurrency)), "--max-model-len", str(max_model_len),
                     "--prefill-chunk", "256"]
-            servers[spec] = ServerProcess(*args, threads=threads)
+            # one at a time: each server reads the machine's load when it starts (threads.py) and
+            # must find the others idle, or the methods would run with different OpenMP waits
+            servers[spec] = ServerProcess(*args, threads=threads).wait_ready()
+            waits[spec] = next((ln.split("OpenMP waits: ", 1)[1] for ln in servers[spec].output().splitlines()
+                                if "OpenMP waits: " in ln), "unknown")
         for spec, srv in servers.items():
-            srv.wait_ready()
             asyncio.run(_level(srv.url, model, prompts[:2], 2, 4))  # warm-up, untimed
         runs: dict[tuple, list] = {}
         for r in range(rounds):
@@ -126,7 +129,7 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
         tpots = [x["tpot_s"] for x in rows if x["tpot_s"]]
         taus = [t for _, _, t, _ in reps if t]
         points.append({
-            "method": names[spec], "via": "server", "concurrency": c, "requests": len(reps[0][1]),
+            "method": names[spec], "via": "server", "concurrency": c, "requests": len(reps[0][1]), "openmp_waits": waits[spec],
             "output_tokens": tokens, "seconds": seconds,
             "throughput_tok_s": statistics.median(th for _, _, _, th in reps),
             "throughput_rounds": [th for _, _, _, th in reps],
