@@ -28,26 +28,28 @@ METHODS = {"plain": ("fixed", None, 0), "ngram k=1": ("fixed", "ngram", 1), "ada
 
 
 def timed_engine(target, tok, policy: str, drafter: str | None, k: int, n: int):
-    """An engine whose prefill and decode steps log (kind, seconds, batch size)."""
+    """An engine whose prefill and decode steps log (kind, seconds, batch size). A decode step
+    that carries prompt chunks (engine._decode_step's riders) logs as "decode+prefill"."""
     cfg = EngineConfig(model="gemma3-270m", drafter=drafter, num_draft_tokens=k, draft_policy=policy,
                        max_batch_size=n, max_model_len=512)
     eng = build_engine(target, tok, cfg)
     eng.steps_log = []
-    prefill, decode = eng._prefill_step, eng._decode_step
+    prefill, decode = eng._run_prefill, eng._decode_step
 
-    def timed_prefill():
+    def timed_prefill(chunks, twins):
         t = time.perf_counter()
-        events = prefill()
-        eng.steps_log.append(("prefill", time.perf_counter() - t, len(events)))
+        events = prefill(chunks, twins)
+        if chunks:
+            eng.steps_log.append(("prefill", time.perf_counter() - t, len(events)))
         return events
 
-    def timed_decode(seqs):
+    def timed_decode(seqs, chunks=((), {})):
         t = time.perf_counter()
-        events = decode(seqs)
-        eng.steps_log.append(("decode", time.perf_counter() - t, len(seqs)))
+        events = decode(seqs, chunks)
+        eng.steps_log.append(("decode+prefill" if chunks[0] else "decode", time.perf_counter() - t, len(seqs)))
         return events
 
-    eng._prefill_step, eng._decode_step = timed_prefill, timed_decode
+    eng._run_prefill, eng._decode_step = timed_prefill, timed_decode
     return eng
 
 
@@ -82,12 +84,14 @@ def main() -> None:
             seconds, rows, stats = run_batch(eng, reqs, args.max_tokens)
             first = rows[:measured]
             little_first = n * sum(x["tokens"] for x in first) / sum(x["end_s"] - x["admitted_s"] for x in first)
-            pre = [x for x in eng.steps_log if x[0] == "prefill" and x[2]]
+            pre = [x for x in eng.steps_log if x[0] == "prefill"]
             dec = [x for x in eng.steps_log if x[0] == "decode"]
+            mixed = [x for x in eng.steps_log if x[0] == "decode+prefill"]
             print(f"round {r + 1} {name}: {busy_throughput(rows, n, measured):.1f} tok/s after the first wave "
                   f"({little_first:.1f} over the first wave, {sum(x['tokens'] for x in rows) / seconds:.1f} with the "
                   f"drain), tau {stats.tau:.2f}; {seconds:.1f} s: prefill {sum(x[1] for x in pre):.1f} s in "
-                  f"{len(pre)} steps, decode {sum(x[1] for x in dec):.1f} s in {len(dec)} steps "
+                  f"{len(pre)} steps, decode with prompt chunks {sum(x[1] for x in mixed):.1f} s in {len(mixed)} steps, "
+                  f"decode {sum(x[1] for x in dec):.1f} s in {len(dec)} steps "
                   f"(median {statistics.median(x[1] for x in dec) * 1e3:.0f} ms, mean batch "
                   f"{statistics.mean(x[2] for x in dec):.1f})", flush=True)
 

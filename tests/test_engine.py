@@ -172,27 +172,36 @@ class TapRecorder(NgramDrafter):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
-def test_packed_prefill_of_several_prompts_has_one_prompts_bits(family):
+@pytest.mark.parametrize("riding", [False, True])
+def test_packed_prefill_of_several_prompts_has_one_prompts_bits(family, riding):
     """Prompts admitted together are prefilled in one packed forward (several prompts' chunks, one
-    cut across two steps): every token, every logprob of the first token and every hidden state the
-    drafter receives must equal a prefill of that prompt alone, in bf16."""
+    cut across two steps), or, where requests are decoding already, ride in their verify forward:
+    every token, every logprob of the first token and every hidden state the drafter receives must
+    equal a prefill of that prompt alone, in bf16."""
     target = ours_from_hf(build_hf(family)).to(torch.bfloat16)
     prompts = [random_ids(n, 160, seed=n)[0].tolist() for n in (23, 9, 14, 40)]
     sp = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
 
-    def run(ps, chunk):
+    def run(ps, chunk, first=None):
         rec = TapRecorder()
         cfg = EngineConfig(model="unused", drafter=None, draft_policy="fixed", num_draft_tokens=3, dtype="bfloat16",
-                           max_batch_size=4, max_model_len=128, prefill_chunk=chunk)
+                           max_batch_size=5, max_model_len=128, prefill_chunk=chunk)
         eng = Engine(target, None, cfg, rec)
+        if first is not None:  # decoding before the others arrive
+            eng.add_request(first, sp)
+            eng.step()
+            eng.step()
         seqs = [eng.add_request(p, sp) for p in ps]
+        decoding = [s.num_output for s in eng.running]
         eng.step()
         started = sum(s.num_output > 0 for s in seqs)
+        assert all(s.num_output > n for s, n in zip(eng.running, decoding))  # the running ones decoded meanwhile
         while eng.has_work:
             eng.step()
         return seqs, rec, started
 
-    seqs, rec, started = run(prompts, 64)  # 23 + 9 + 14 in one forward, then 18 of the 40, then the rest
+    # 23 + 9 + 14 in one forward, then 18 of the 40, then the rest
+    seqs, rec, started = run(prompts, 64, random_ids(7, 160, seed=99)[0].tolist() if riding else None)
     assert started == 3
     for p, s in zip(prompts, seqs):
         [a], arec, _ = run([p], 4096)

@@ -204,31 +204,47 @@ class Engine:
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate(len(seq.prompt_ids) + seq.params.max_tokens)
             self.prefilling.append(seq)
-        events = self._prefill_step()
-        if self.running:
-            events += self._decode_step(list(self.running))
-        return events
+        prefill = self._prefill_chunks()
+        if not self.running:
+            return self._run_prefill(*prefill)
+        return self._decode_step(list(self.running), prefill)
 
-    def _decode_step(self, seqs: list[Sequence]) -> list[StepEvent]:
+    def _decode_step(self, seqs: list[Sequence], prefill=((), {})) -> list[StepEvent]:
+        """One speculative step for `seqs`. The prompt chunks of `prefill` (`_prefill_chunks`) ride
+        in the same forward where it is packed: a request admitted beside running ones then costs
+        its prompt's rows, not a forward of its own (a straggler's prefill read every weight and
+        the LM head again). Elsewhere they run first, in a forward of their own."""
         t0 = time.perf_counter()
         drafts = self._propose(seqs, self.policy.budgets(seqs, self.config.num_draft_tokens))  # KV slack is sized for it
         drafts = self.policy.admit(seqs, drafts, time.perf_counter() - t0)
         width = 1 + max(len(d.tokens) for d in drafts)
         starts = [self.cache.lengths[s.slot] for s in seqs]
+        packed = self.packs_chains and all(d.parents is None for d in drafts)
+        chunks, twins = prefill
+        events = [] if packed or not chunks else self._run_prefill(chunks, twins)
+        riders = chunks if packed else []
         self.model.set_batch_invariant(self.invariant)
-        kv_len = round_up(max(starts) + width, KV_BLOCK) if self.invariant else None
-        if self.packs_chains and all(d.parents is None for d in drafts):
-            out = self._chain_forward(seqs, drafts, starts, width, kv_len)
+        top = max([st + width for st in starts] + [d + len(c) for _, d, c, _ in riders])
+        kv_len = round_up(top, KV_BLOCK) if self.invariant else None
+        if packed:
+            out, rider_outs = self._chain_forward(seqs, drafts, starts, width, kv_len, riders)
         else:
             out = self._window_forward(seqs, drafts, starts, width, kv_len)
-        # logits of the real rows only: the LM head is the largest matmul, padding rows need none
+        # logits of the real rows only: the LM head is the largest matmul, padding rows need none;
+        # and of the last rows of the prompts that end here
         sizes = [1 + len(d.tokens) for d in drafts]
-        flat = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)]))  # [sum sizes, V]
+        ends = [o.last_hidden[0, -1:] for o, (_, _, _, last) in zip(rider_outs, riders) if last] if riders else []
+        flat = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)] + ends))
+        if riders:  # the step's time includes them: the adaptive policy prices its tokens with theirs
+            self.policy.riders(sum(len(c) for _, _, c, _ in riders), len(ends))
+            first = iter(flat[sum(sizes):].split(1))  # [1, V] each
+            flat = flat[: sum(sizes)]  # [sum sizes, V]
+            events += self._finish_prefill(riders, twins, rider_outs, [next(first) if last else None for *_, last in riders])
         logits = flat.split(sizes)
         # greedy requests need only each row's argmax: one call for the batch, not one per request
         best = argmax(flat).tolist() if any(s.params.greedy for s in seqs) else None
         offsets = [0, *itertools.accumulate(sizes)]
-        events, verdicts = [], []
+        verdicts = []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
             verifier = for_draft(d)
             if s.params.greedy:
@@ -260,7 +276,7 @@ class Engine:
         return self.model(ids.to(dev), self.cache, [s.slot for s in seqs], torch.tensor(starts),
                           positions=positions.to(dev), taps=self._taps, kv_len=kv_len, paths=paths, want_logits=False)
 
-    def _chain_forward(self, seqs, drafts, starts, width, kv_len) -> ForwardOutput:
+    def _chain_forward(self, seqs, drafts, starts, width, kv_len, riders=()) -> tuple[ForwardOutput, list[ForwardOutput]]:
         """The verify forward for chains, packed: one single-token entry per node (the last token,
         then the draft) at its own cache row and position, so a request's forward carries the
         nodes it verifies and no padding up to the batch's longest window (16 requests, 8 of them
@@ -268,17 +284,28 @@ class Engine:
         its mask is plain decoding's for that row, so a node's bits are what plain decoding would
         give it. The native attention kernel reads the repeated slots in place; elsewhere attention
         would gather the cache once per entry, so other devices take the padded window
-        (`packs_chains`). Returns the hidden states as [B, width, H], as the padded forward does."""
+        (`packs_chains`). Prompt chunks (`riders`: (seq, rows done, chunk ids, last)) follow as
+        entries of the same kind, a prompt token at its own row: the bits of a prefill alone.
+        Returns the hidden states as [B, width, H], as the padded forward does, and each rider's as
+        a one-request forward's [1, n, H]."""
         dev = self.model.device
         sizes = [1 + len(d.tokens) for d in drafts]
-        ids = torch.tensor([t for s, d in zip(seqs, drafts) for t in (s.tokens[-1], *d.tokens)])[:, None]  # [E, 1]
-        slots = [s.slot for s, n in zip(seqs, sizes) for _ in range(n)]
-        rows = torch.tensor([st + j for st, n in zip(starts, sizes) for j in range(n)])  # [E]: cache row = position
-        out = self.model(ids.to(dev), self.cache, slots, rows, taps=self._taps, kv_len=kv_len, want_logits=False)
-        offsets = itertools.accumulate([0, *sizes[:-1]])
+        ids = [t for s, d in zip(seqs, drafts) for t in (s.tokens[-1], *d.tokens)] + [t for _, _, c, _ in riders for t in c]
+        slots = [s.slot for s, n in zip(seqs, sizes) for _ in range(n)] + [q.slot for q, _, c, _ in riders for _ in c]
+        rows = [st + j for st, n in zip(starts, sizes) for j in range(n)] + [d + j for _, d, c, _ in riders for j in range(len(c))]
+        out = self.model(torch.tensor(ids, device=dev)[:, None], self.cache, slots, torch.tensor(rows),  # [E, 1]: row = position
+                         taps=self._taps, kv_len=kv_len, want_logits=False)
+        offsets = list(itertools.accumulate([0, *sizes]))
         index = torch.tensor([[o + min(j, n - 1) for j in range(width)] for o, n in zip(offsets, sizes)], device=dev)
         # [B, width]: entry of each request's row j (a padding row repeats its last node and is never read)
-        return ForwardOutput(None, {i: h[:, 0][index] for i, h in out.hidden.items()}, out.last_hidden[:, 0][index])
+        verify = ForwardOutput(None, {i: h[:, 0][index] for i, h in out.hidden.items()}, out.last_hidden[:, 0][index]) \
+            if seqs else None
+        parts, at = [], offsets[-1]
+        for _, _, c, _ in riders:
+            part = slice(at, at + len(c))
+            parts.append(ForwardOutput(None, {i: h[part, 0][None] for i, h in out.hidden.items()}, out.last_hidden[part, 0][None]))
+            at += len(c)
+        return verify, parts
 
     def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         """Drafts for the batch. A drafter that raises is retried request by request; a request
@@ -300,12 +327,12 @@ class Engine:
                     drafts.append(Draft([]))
         return [d.truncate(k) for d, k in zip(drafts, ks)]
 
-    def _prefill_step(self) -> list[StepEvent]:
-        """Feed prompt chunks, at most `prefill_chunk` tokens in all per step, so a long prompt
-        delays the running requests' decode by one chunk at a time instead of stalling them. The
-        chunks of several requests go through one forward (packed, where chains are): a request's
-        own forward would read every weight again and multiply the LM head for its one row (at 64
-        streams, 64 prompts cost 64 reads of the 335 MB head)."""
+    def _prefill_chunks(self) -> tuple[list[tuple], dict[int, list[Sequence]]]:
+        """This step's prompt chunks, at most `prefill_chunk` tokens in all, so a long prompt delays
+        the running requests' decode by one chunk at a time instead of stalling them: (seq, rows
+        already in the cache, chunk ids, whether the prompt ends with it) per request, and the twins
+        of each prompt that ends here from its first row (requests with the same prompt, admitted
+        but not started: they take a copy of its rows, so parallel sampling prefills a prompt once)."""
         chunks, twins, budget = [], {}, self.config.prefill_chunk
         for seq in self.prefilling:
             if budget <= 0:
@@ -318,25 +345,37 @@ class Engine:
             chunks.append((seq, done_rows, chunk_ids, last))
             budget -= len(chunk_ids)
             if last and done_rows == 0:
-                # requests with the same prompt, admitted but not started, take a copy of its rows
-                # (a one-chunk prefill's bits): parallel sampling prefills a prompt once
                 twins[seq.id] = [t for t in self.prefilling if t is not seq and not self.cache.lengths[t.slot]
-                              and t.prompt_ids == seq.prompt_ids and not any(t is c[0] for c in chunks)]
+                                 and t.prompt_ids == seq.prompt_ids and not any(t is c[0] for c in chunks)]
+        return chunks, twins
+
+    def _run_prefill(self, chunks, twins) -> list[StepEvent]:
+        """The prompt chunks in a forward of their own: several packed (as `_chain_forward` packs
+        drafts, one LM head call for the prompts that end: a forward per request read every weight
+        and multiplied the 262k-row head for its one row), one as a [1, T] batch."""
         if not chunks:
             return []
         self.model.set_batch_invariant(self.invariant)  # a prompt's bits must not depend on its chunking
         if len(chunks) > 1 and self.packs_chains:
-            outs, logits = self._packed_prefill(chunks)
-        else:
-            outs, logits = [], []
-            for seq, done_rows, chunk_ids, last in chunks:
-                out = self.model(
-                    torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
-                    logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
-                    kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.invariant else None,
-                )
-                outs.append(out)
-                logits.append(out.logits[0] if last else None)
+            top = max(d + len(c) for _, d, c, _ in chunks)
+            _, outs = self._chain_forward([], [], [], 0, round_up(top, KV_BLOCK) if self.invariant else None, chunks)
+            ends = [o.last_hidden[0, -1:] for o, (*_, last) in zip(outs, chunks) if last]  # [1, H] each
+            first = iter(self.model.lm_logits(torch.cat(ends)).split(1) if ends else [])
+            return self._finish_prefill(chunks, twins, outs, [next(first) if last else None for *_, last in chunks])
+        outs, logits = [], []
+        for seq, done_rows, chunk_ids, last in chunks:
+            out = self.model(
+                torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
+                logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
+                kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.invariant else None,
+            )
+            outs.append(out)
+            logits.append(out.logits[0] if last else None)
+        return self._finish_prefill(chunks, twins, outs, logits)
+
+    def _finish_prefill(self, chunks, twins, outs: list[ForwardOutput], logits: list) -> list[StepEvent]:
+        """Commit the chunks' rows (outs: each a one-request forward's), hand the drafter their
+        states, and start the requests whose prompt ended (logits: [1, V] each, None elsewhere)."""
         events = []
         for (seq, done_rows, chunk_ids, last), out, lg in zip(chunks, outs, logits):
             self.cache.commit(seq.slot, len(chunk_ids))
@@ -349,28 +388,6 @@ class Engine:
             for s in [seq, *twins.get(seq.id, [])]:
                 events.append(self._first_token(s, lg))
         return events
-
-    def _packed_prefill(self, chunks) -> tuple[list[ForwardOutput], list[torch.Tensor | None]]:
-        """The prompt chunks of several requests as one forward of single-token entries, each at its
-        own slot and cache row (as `_chain_forward` packs a batch's drafts: every entry's mask is
-        plain decoding's for its row, so the bits are a one-request prefill's), then one LM head
-        call over the last rows of the prompts that end here. Returns, per chunk, its hidden states
-        as a one-request forward's ([1, n, H]) and its logits [1, V] (None where the prompt goes on)."""
-        dev = self.model.device
-        ids = torch.tensor([t for _, _, c, _ in chunks for t in c])[:, None]  # [E, 1]
-        slots = [seq.slot for seq, _, c, _ in chunks for _ in c]
-        rows = torch.tensor([d + j for _, d, c, _ in chunks for j in range(len(c))])  # [E]: cache row = position
-        kv_len = round_up(int(rows.max()) + 1, KV_BLOCK) if self.invariant else None
-        out = self.model(ids.to(dev), self.cache, slots, rows, taps=self._taps, kv_len=kv_len, want_logits=False)
-        ends = list(itertools.accumulate(len(c) for _, _, c, _ in chunks))
-        lasts = [e - 1 for e, (_, _, _, last) in zip(ends, chunks) if last]
-        head = iter(self.model.lm_logits(out.last_hidden[lasts, 0]).split(1) if lasts else [])  # [1, V] each
-        outs, logits = [], []
-        for (_, _, c, last), e in zip(chunks, ends):
-            part = slice(e - len(c), e)
-            outs.append(ForwardOutput(None, {i: h[part, 0][None] for i, h in out.hidden.items()}, out.last_hidden[part, 0][None]))
-            logits.append(next(head) if last else None)
-        return outs, logits
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> StepEvent:
         """The prompt is in the cache: sample token 1 from the last prompt row's logits [1, V]."""

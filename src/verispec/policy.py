@@ -28,6 +28,11 @@ class DraftLengthPolicy(Protocol):
         token when that token was sampled."""
         ...
 
+    def riders(self, tokens: int, head_rows: int) -> None:
+        """Prompt tokens that ride in this step's verify forward, and the LM head rows they add
+        (their cost is in the step's time: for policies that time the steps)."""
+        ...
+
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         """The verifier's verdicts on the admitted drafts (for policies that learn)."""
         ...
@@ -44,4 +49,7 @@ class FixedDraftLength:
         return drafts
 
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
+        pass
+
+    def riders(self, tokens: int, head_rows: int) -> None:
         pass

@@ -215,6 +215,13 @@ class AdaptiveDraftLength:
         width = max([width] + [len(d.tokens) for d, p in zip(drafts, pins) if p])
         return [list(range(len(d.tokens))) if p else k for d, k, p in zip(drafts, keep(surv, width), pins)]
 
+    def riders(self, tokens: int, head_rows: int) -> None:
+        """Prompt tokens in this step's forward (engine._decode_step): the step is timed, and so
+        priced, at its forward's real size."""
+        if self._verify_started is not None:
+            n, t, rows, t0 = self._verify_started
+            self._verify_started = (n, t + tokens, rows + head_rows, t0)
+
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         if self._verify_started is not None:  # the step's time after drafting, by forward size and head rows
             n, tokens, rows, t0 = self._verify_started
