@@ -24,8 +24,8 @@ DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")  # = en
 # 64 is well past useful chains (a draft is accepted in full only where the text repeats) and
 # holds an EAGLE-2-sized token tree (60 nodes).
 MAX_DRAFT_TOKENS = 64
-THREADS_HELP = ("CPU threads (default: one per core; their OpenMP waits sleep instead of spin, so other work on "
-                "the machine slows decoding down gracefully)")
+THREADS_HELP = ("CPU threads (default: one per core; where other work keeps the cores busy at start, their "
+                "OpenMP waits sleep instead of spin, so it slows decoding down gracefully)")
 
 
 class HelpFormatter(cli_help.HelpFormatter):

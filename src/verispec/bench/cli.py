@@ -91,7 +91,7 @@ def add_parser(sub) -> None:
     b.add_argument("--strict", action="store_true",
                    help="exit 1 if any verispec greedy output differs from plain or a sampled check fails")
     b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    # OpenMP's own waits, not the other commands' passive ones (threads.py): a benchmark runs on an
+    # OpenMP's own waits, not the other commands' choice by the load (threads.py): a benchmark runs on an
     # idle machine, where sleeping at every barrier halved every engine's speed, peers' included
     b.set_defaults(run=cmd_bench, passive_waits=False)
 
