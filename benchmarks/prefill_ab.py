@@ -3,7 +3,11 @@
     python benchmarks/prefill_ab.py                       # this checkout
     PYTHONPATH=OTHER/src python benchmarks/prefill_ab.py  # another build, e.g. a git worktree
 """
-import sys, time, statistics, torch
+import statistics
+import time
+
+import torch
+
 from verispec.engine import Engine, EngineConfig
 from verispec.models import load_model, load_tokenizer
 from verispec.sampling import SamplingParams

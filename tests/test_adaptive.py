@@ -724,3 +724,38 @@ def test_metrics_report_budget_coefficients_and_predicted_against_observed():
     assert values[f"verispec:spec_decode_adaptive_predicted_accepted_total{lbl}"] == pytest.approx(est.predicted_sum)
     assert values['verispec:spec_decode_adaptive_estimator_coefficient{index="0",kind="intercepts",model_name="tiny"}'] \
         == pytest.approx(est.coefficients()["intercepts"][0])
+
+
+def test_a_step_with_prompt_chunks_riding_is_timed_at_its_forwards_real_size():
+    """A request admitted while another decodes has its prompt ride in the packed verify forward
+    (engine._decode_step): the policy records that step under the forward's real token count
+    (requests + admitted nodes + prompt tokens) and LM head rows (+ one for the prompt that ends)."""
+    target = ours_from_hf(build_hf("llama", seed=0))
+    policy = AdaptiveDraftLength(STEEP, max_depth=4)
+    cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4, dtype="float32", max_batch_size=2,
+                       max_model_len=96)
+    eng = Engine(target, None, cfg, NgramDrafter(), policy=policy)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    planned, recorded = [], []
+    admit, record = policy.admit, policy.step_cost.record
+
+    def spy_admit(seqs, drafts, draft_seconds):
+        out = admit(seqs, drafts, draft_seconds)
+        planned.append(len(seqs) + sum(len(d.tokens) for d in out))
+        return out
+
+    policy.admit = spy_admit
+    policy.step_cost.record = lambda tokens, seconds, rows=None, n=None: (recorded.append((tokens, rows)),
+                                                                          record(tokens, seconds, rows, n))
+    eng.add_request([5, 6, 7, 5, 6, 7, 5, 6], sp)
+    eng.step()  # prefilled alone: no decode step
+    eng.step()
+    second = [9, 8, 9, 8, 9, 8, 3]
+    late = eng.add_request(second, sp)
+    eng.step()  # the first decodes; the second's prompt rides in that forward
+    assert late.num_output == 1 and late in eng.running
+    assert recorded[-1] == (planned[-1] + len(second), planned[-1] + 1)
+    assert [t for t, _ in recorded[:-1]] == planned[:-1]
+    while eng.has_work:
+        eng.step()
+    assert [t for t, _ in recorded[2:]] == planned[2:]

@@ -216,13 +216,15 @@ class Engine:
         the LM head again). Elsewhere they run first, in a forward of their own."""
         t0 = time.perf_counter()
         drafts = self._propose(seqs, self.policy.budgets(seqs, self.config.num_draft_tokens))  # KV slack is sized for it
-        drafts = self.policy.admit(seqs, drafts, time.perf_counter() - t0)
-        width = 1 + max(len(d.tokens) for d in drafts)
-        starts = [self.cache.lengths[s.slot] for s in seqs]
-        packed = self.packs_chains and all(d.parents is None for d in drafts)
+        draft_seconds = time.perf_counter() - t0
+        packed = self.packs_chains and all(d.parents is None for d in drafts)  # admit keeps chains chains
         chunks, twins = prefill
+        # a prefill of its own runs before admit: the policy times the step from there
         events = [] if packed or not chunks else self._run_prefill(chunks, twins)
         riders = chunks if packed else []
+        drafts = self.policy.admit(seqs, drafts, draft_seconds)
+        width = 1 + max(len(d.tokens) for d in drafts)
+        starts = [self.cache.lengths[s.slot] for s in seqs]
         self.model.set_batch_invariant(self.invariant)
         top = max([st + width for st in starts] + [d + len(c) for _, d, c, _ in riders])
         kv_len = round_up(top, KV_BLOCK) if self.invariant else None
