@@ -236,15 +236,14 @@ class Engine:
         # and of the last rows of the prompts that end here
         sizes = [1 + len(d.tokens) for d in drafts]
         ends = [o.last_hidden[0, -1:] for o, (_, _, _, last) in zip(rider_outs, riders) if last] if riders else []
-        flat = self.model.lm_logits(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)] + ends))
+        starting = [s for q, *_, last in riders if last for s in (q, *twins.get(q.id, ()))]
+        flat, best = self._head(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)] + ends), seqs + starting)
         if riders:  # the step's time includes them: the adaptive policy prices its tokens with theirs
             self.policy.riders(sum(len(c) for _, _, c, _ in riders), len(ends))
-            first = iter(flat[sum(sizes):].split(1))  # [1, V] each
-            flat = flat[: sum(sizes)]  # [sum sizes, V]
+            first = iter(flat[sum(sizes):].split(1) if flat is not None else best[sum(sizes):])  # [1, V] or a token each
+            flat = flat[: sum(sizes)] if flat is not None else None  # [sum sizes, V]
             events += self._finish_prefill(riders, twins, rider_outs, [next(first) if last else None for *_, last in riders])
-        logits = flat.split(sizes)
-        # greedy requests need only each row's argmax: one call for the batch, not one per request
-        best = argmax(flat).tolist() if any(s.params.greedy for s in seqs) else None
+        logits = flat.split(sizes) if flat is not None else [None] * len(seqs)
         offsets = [0, *itertools.accumulate(sizes)]
         verdicts = []
         for b, (s, d) in enumerate(zip(seqs, drafts)):
@@ -362,18 +361,40 @@ class Engine:
             top = max(d + len(c) for _, d, c, _ in chunks)
             _, outs = self._chain_forward([], [], [], 0, round_up(top, KV_BLOCK) if self.invariant else None, chunks)
             ends = [o.last_hidden[0, -1:] for o, (*_, last) in zip(outs, chunks) if last]  # [1, H] each
-            first = iter(self.model.lm_logits(torch.cat(ends)).split(1) if ends else [])
+            first = iter(self._first_rows(ends, chunks, twins))
             return self._finish_prefill(chunks, twins, outs, [next(first) if last else None for *_, last in chunks])
-        outs, logits = [], []
+        outs = []
         for seq, done_rows, chunk_ids, last in chunks:
-            out = self.model(
+            outs.append(self.model(
                 torch.tensor([chunk_ids], device=self.model.device), self.cache, [seq.slot], torch.tensor([done_rows]),
-                logit_rows=torch.tensor([[len(chunk_ids) - 1]]), want_logits=last, taps=self._taps,
+                want_logits=False, taps=self._taps,
                 kv_len=round_up(done_rows + len(chunk_ids), KV_BLOCK) if self.invariant else None,
-            )
-            outs.append(out)
-            logits.append(out.logits[0] if last else None)
-        return self._finish_prefill(chunks, twins, outs, logits)
+            ))
+        ends = [o.last_hidden[0, -1:] for o, (*_, last) in zip(outs, chunks) if last]
+        first = iter(self._first_rows(ends, chunks, twins))
+        return self._finish_prefill(chunks, twins, outs, [next(first) if last else None for *_, last in chunks])
+
+    def _first_rows(self, ends: list[torch.Tensor], chunks, twins) -> list:
+        """What the prompts that end in `chunks` start from: their last rows' logits [1, V] each, or
+        their greedy first tokens (`_head`)."""
+        if not ends:
+            return []
+        starting = [s for q, *_, last in chunks if last for s in (q, *twins.get(q.id, ()))]
+        flat, best = self._head(torch.cat(ends), starting)
+        return list(flat.split(1)) if flat is not None else best
+
+    def _head(self, h: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor | None, list[int] | None]:
+        """The LM head over rows h [R, H] of the requests `seqs`: (fp32 logits [R, V], each row's
+        argmax if a request is greedy), or (None, the argmax tokens) where every request is greedy
+        without logprobs (so nothing else reads the logits) and the model's greedy head takes R
+        rows: the same tokens from a fraction of the head's bytes (models/greedy_head.py)."""
+        if all(s.params.greedy and s.params.logprobs is None for s in seqs):
+            best = self.model.greedy_tokens(h)
+            if best is not None:
+                return None, best.tolist()
+        flat = self.model.lm_logits(h)
+        # greedy requests need only each row's argmax: one call for the batch, not one per request
+        return flat, argmax(flat).tolist() if any(s.params.greedy for s in seqs) else None
 
     def _finish_prefill(self, chunks, twins, outs: list[ForwardOutput], logits: list) -> list[StepEvent]:
         """Commit the chunks' rows (outs: each a one-request forward's), hand the drafter their
@@ -391,12 +412,14 @@ class Engine:
                 events.append(self._first_token(s, lg))
         return events
 
-    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> StepEvent:
-        """The prompt is in the cache: sample token 1 from the last prompt row's logits [1, V]."""
+    def _first_token(self, seq: Sequence, head) -> StepEvent:
+        """The prompt is in the cache: token 1, sampled from the last prompt row's logits [1, V], or
+        the greedy token `_head` gave instead (an int)."""
         self.prefilling.remove(seq)
         self.running.append(seq)
-        first = sample(probs(logits, seq.params)[0], seq.generator)
-        return self._emit(seq, [first], logits)
+        if isinstance(head, int):
+            return self._emit(seq, [head], None)
+        return self._emit(seq, [sample(probs(head, seq.params)[0], seq.generator)], head)
 
     @property
     def _taps(self) -> tuple[int, ...]:

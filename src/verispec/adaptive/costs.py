@@ -132,6 +132,7 @@ def profile_key(model) -> dict:
             "quant": getattr(model, "quant", "none"),
             "kernels": kernels.source_hash() if kernels.bf16_gemm() is not None else None,
             "native_layers": native,
+            "greedy_head_rows": getattr(getattr(model, "greedy_head", None), "max_rows", None),
             "threads": torch.get_num_threads(), "model": arch, "context": CONTEXT}
 
 
@@ -148,10 +149,13 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
     rows of ceil(n / rows) tokens (what a decode step looks like; the profile records the tokens
     that forward really carries) at a synthetic context of CONTEXT rows, in the numerics the engine
     decodes with (batch-invariant kernels for bf16/fp16: their cost differs), and the LM head alone
-    over as many rows (the engine gives it a step's real rows only). The repeats go round
+    over as many rows (the engine gives it a step's real rows only; where the model's greedy head
+    takes that many rows, that head on inputs shaped like real states, as greedy steps run it:
+    sampled steps then cost a little more than priced). The repeats go round
     the whole grid, so a burst of other work on the machine lands on one repeat of every point,
     where the median drops it, instead of on every repeat of a few points (which bent the curve)."""
     from ..kv import KV_BLOCK, round_up
+    from ..models.greedy_head import typical_inputs
 
     shapes = {}  # tokens in the forward -> (rows, width)
     for n in token_grid(max_tokens):
@@ -167,9 +171,13 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
 
     hidden = torch.zeros(max(grid), model.config.hidden_size, dtype=model.dtype, device=model.device)
 
-    def head(n: int) -> float:  # the LM head over n rows, as the engine runs it on a step's real rows
+    greedy = getattr(model, "greedy_head", None)
+    typical = None if greedy is None else typical_inputs(greedy.weight, max(grid))
+
+    def head(n: int) -> float:  # the LM head over n rows, as the engine runs it on a greedy step's real rows
         t0 = time.perf_counter()
-        model.lm_logits(hidden[:n])
+        if typical is None or model.greedy_tokens(typical[:n]) is None:
+            model.lm_logits(hidden[:n])
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0

@@ -60,6 +60,7 @@ class CausalLM(nn.Module):
         self.quant = "none"  # none | int8 | int4 (quant.quantize_model)
         self.packed_head = None  # the quantized or prepacked LM head (quant.PackedWeight, prepack.PrepackedWeight)
         self.prepacked = False  # bf16 projections in oneDNN's blocked layout (prepack.py)
+        self.greedy_head = None  # greedy tokens of the prepacked bf16 head from an int8 copy (greedy_head.py)
 
     def set_batch_invariant(self, on: bool) -> "CausalLM":
         """Exact mode: every matmul gives a row the same bits whatever else is in the batch. (The
@@ -132,6 +133,15 @@ class CausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor | None:
+        """h: [M, H] after the final norm -> the argmax of each row's `lm_logits` [M] (the same
+        tokens, ties included), where the greedy head reads less than the full head for M rows;
+        else None: take `lm_logits`."""
+        g = self.greedy_head
+        if g is None or h.shape[0] > g.max_rows or self.config.final_logit_softcap is not None:
+            return None
+        return g.tokens(h)
 
     def _cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables per layer kind, built once per device/dtype, indexed by positions [B, T]."""

@@ -123,6 +123,10 @@ def prepack_model(model):
         for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             m.weight = empty()
     model.packed_head = PrepackedWeight(model.head_weight())  # the dense head stays: drafter training reads its rows
+    if model.packed_head.native is not None and model.config.final_logit_softcap is None:
+        from .greedy_head import GreedyHead
+
+        model.greedy_head = GreedyHead.build(model.head_weight(), model.packed_head)
     model.prepacked = True
     return model
 
