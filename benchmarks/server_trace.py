@@ -73,16 +73,24 @@ def main() -> None:
     for i, n in enumerate(levels):
         _, _, reqs, _ = level_requests(n, 140)
         ids = [p.ids for p in reqs]
-        out = {}
+        out, timing = {}, {}
         for name in (["plain", "adaptive"] if i % 2 == 0 else ["adaptive", "plain"]):
             steps.clear()
+            served[name].timer.reset()
             res = run_client(served[name].server.url, ids, n, args.max_tokens)
             out[name] = res["tokens"] / res["seconds"]
+            st = served[name].timer.summary()
+            full = sorted(r[0] for r in served[name].timer.rows if r[1] == n and r[2] == 0)
+            timing[name] = (f"{name}: {st['steps']} steps, {st['decode_steps']} without prompts (mean "
+                            f"{st['decode_ms']:.1f} ms, batch {st['decode_batch']:.1f}; at the full batch "
+                            f"{len(full)}, median {1e3 * full[len(full) // 2] if full else float('nan'):.1f} ms), "
+                            f"engine thread between steps {st['gap_ms']:.2f} ms")
             if name == "adaptive":
                 records.setdefault(n, []).append(list(steps))
         steps[:] = records[n][-1]
         print(f"{n} streams: plain {out['plain']:.1f} tok/s, adaptive {out['adaptive']:.1f} "
-              f"({out['adaptive'] / out['plain']:.3f}x); adaptive: {summary(steps, n)}", flush=True)
+              f"({out['adaptive'] / out['plain']:.3f}x); adaptive: {summary(steps, n)}\n  " + "\n  ".join(timing.values()),
+              flush=True)
     for s in served.values():
         s.server.stop()
     if args.json:
