@@ -115,3 +115,23 @@ def test_an_engine_with_the_greedy_head_decodes_what_the_full_head_does(family, 
     got, _ = run(target, DRAFTERS[drafter] if drafter else None, prompts, k=4)
     assert got == want
     assert target.greedy_head.calls > 0, "the greedy head was not used: the check would be vacuous"
+
+
+def test_the_row_count_is_timed_once_per_machine(tmp_path, monkeypatch):
+    """`build` times the rows where the greedy head pays once and caches them, so that every
+    process on the machine (a server's plain and speculative engines, the cost profile) takes the
+    same path."""
+    from verispec.models import greedy_head
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(greedy_head, "MIN_BYTES", 0)
+    monkeypatch.setattr(GreedyHead, "_time_rows", lambda self: 3)
+    w = _head(4096, 640, 6)
+    assert GreedyHead.build(w, PrepackedWeight(w)).max_rows == 3
+    assert list((tmp_path / "greedy_head").glob("*.json")), "the timed row count is cached"
+
+    def timed_again(self):
+        raise AssertionError("timed again although cached")
+
+    monkeypatch.setattr(GreedyHead, "_time_rows", timed_again)
+    assert GreedyHead.build(w, PrepackedWeight(w)).max_rows == 3

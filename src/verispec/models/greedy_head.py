@@ -27,7 +27,11 @@ batch 1, short verify windows). `worth(rows)` says so from a one-time timing of 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import platform
 import statistics
 import time
 
@@ -49,34 +53,48 @@ class GreedyHead:
     @classmethod
     @torch.inference_mode()
     def build(cls, weight: torch.Tensor, full) -> "GreedyHead | None":
-        """A greedy head for the row counts where it is faster than the full head on this machine
-        (timed once, median of 7, the two alternating, on inputs shaped like a model's: head rows scaled to norm 100,
-        whose logits peak as a trained model's do), or None where it pays at no row count or
-        the kernels are missing."""
+        """A greedy head for the row counts where it is faster than the full head on this machine,
+        or None where it pays at no row count or the kernels are missing. The rows are timed once
+        per machine, head shape, thread count and kernel sources (median of 7, the two heads
+        alternating, on `typical_inputs`) and cached: every process on the machine then takes the
+        same path (a server's plain and speculative engines, the cost profile that prices them,
+        whose cache key names the rows)."""
         if weight.numel() * weight.element_size() < MIN_BYTES:
             return None
         try:
             head = cls(weight, full)
         except ValueError:
             return None
-        x = typical_inputs(weight, MAX_ROWS)
+        path = _rows_path(weight)
+        try:
+            head.max_rows = int(json.loads(path.read_text())["max_rows"])
+        except (OSError, ValueError, KeyError, TypeError):  # not timed on this machine yet
+            head.max_rows = head._time_rows()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"max_rows": head.max_rows}))
+            os.replace(tmp, path)
+        head.calls = head.candidates = 0
+        return head if head.max_rows else None
+
+    def _time_rows(self) -> int:
+        """The most rows (up to MAX_ROWS) for which this head is faster than the full head, every
+        smaller count too."""
+        x = typical_inputs(self.weight, MAX_ROWS)
 
         def faster(m: int) -> bool:  # the two heads alternately, so that a burst of other work hits both
-            times: dict = {head.tokens: [], full.mm: []}
+            times: dict = {self.tokens: [], self.full.mm: []}
             for _ in range(7):
                 for fn in times:
                     t0 = time.perf_counter()
                     fn(x[:m])
                     times[fn].append(time.perf_counter() - t0)
-            return statistics.median(times[head.tokens]) < statistics.median(times[full.mm])
+            return statistics.median(times[self.tokens]) < statistics.median(times[self.full.mm])
 
-        head.max_rows = 0
-        for m in range(1, MAX_ROWS + 1):
-            if not faster(m):
-                break
-            head.max_rows = m
-        head.calls = head.candidates = 0
-        return head if head.max_rows else None
+        rows = 0
+        while rows < MAX_ROWS and faster(rows + 1):
+            rows += 1
+        return rows
 
     def __init__(self, weight: torch.Tensor, full, max_rows: int = MAX_ROWS):
         from .quant import PackedWeight
@@ -140,3 +158,17 @@ def typical_inputs(weight: torch.Tensor, rows: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     x = weight[torch.randint(weight.shape[0], (rows,), generator=g)].float()
     return (x * (100 / x.norm(dim=1, keepdim=True).clamp(min=1e-6))).to(weight.dtype)
+
+
+def _rows_path(weight: torch.Tensor):
+    """Where `GreedyHead.build` caches its timed row count for this machine and head shape."""
+    from .loading import cache_root
+
+    key = [platform.processor() or platform.machine(), os.cpu_count(), torch.get_num_threads(), list(weight.shape),
+           kernels.source_hash()]
+    try:
+        key[0] = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), key[0])
+    except OSError:
+        pass
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    return cache_root() / "greedy_head" / f"{digest}.json"
