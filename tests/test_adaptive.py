@@ -576,8 +576,9 @@ def test_a_plan_must_beat_plain_decoding_by_the_margin(planner):
 
 def test_a_cheap_drafter_whose_drafts_were_not_worth_verifying_looks_again_every_few_steps():
     """Drafting that costs 1.5% of a plain step, where nothing pays: after a step that verified
-    nothing, the drafter drafts every 3rd step (keeping fruitless drafting under 0.5% of the
-    time), and on the probe steps (2, 10, 26: 8, 16, ... steps after the last verified one)."""
+    nothing, the drafter drafts 2 steps later, then every 3rd step (keeping fruitless drafting
+    under 0.5% of the time), and on the probe steps (2, 10, 26: 8, 16, ... steps after the last
+    verified one)."""
     from verispec.sequence import Sequence
 
     class Cost(C.DraftCost):
@@ -595,7 +596,7 @@ def test_a_cheap_drafter_whose_drafts_were_not_worth_verifying_looks_again_every
             drafted.append(step)
         out = policy.admit([seq], [Draft([4] * k, features=[[0.0]] * k)], 0.0)
         policy.observe([seq], out, [Verdict(out[0].tokens[:1] or [9], 0, [])])
-    assert drafted == [1, 2, 5, 8, 10, 13, 16, 19, 22, 25, 26, 29], drafted
+    assert drafted == [1, 2, 4, 7, 10, 13, 16, 19, 22, 25, 26, 29], drafted
 
 
 def test_profile_records_the_tokens_its_forwards_carry_and_repeats_round_the_grid(monkeypatch):
@@ -759,3 +760,56 @@ def test_a_step_with_prompt_chunks_riding_is_timed_at_its_forwards_real_size():
     while eng.has_work:
         eng.step()
     assert [t for t, _ in recorded[2:]] == planned[2:]
+
+
+def _fruitless_steps(policy, seqs, steps, k=2):
+    """Drive the policy through `steps` decode steps of `seqs` (every draft k nodes of feature 0,
+    the first rejected); returns the steps that drafted and those that verified."""
+    drafted, verified = [], []
+    for _ in range(steps):
+        ks = policy.budgets(seqs, k)
+        if any(ks):
+            drafted.append(policy.steps)
+        out = policy.admit(seqs, [Draft([4] * b, features=[[0.0]] * b) for b in ks], 0.0)
+        if any(d.tokens for d in out):
+            verified.append(policy.steps)
+        policy.observe(seqs, out, [Verdict([9], 0, []) for _ in out])
+    return drafted, verified
+
+
+def test_a_fruitless_look_waits_twice_as_long_up_to_the_cost_cap():
+    """A cheap drafter (4% of a plain step: the cap is every 8th step) where nothing pays and no
+    probe comes but the first (step 2, right after the first step): it drafts 1, 2, 4, then 8 steps
+    after each fruitless look."""
+    from verispec.sequence import Sequence
+
+    class Cost(C.DraftCost):
+        def __call__(self, num_reqs):
+            return 0.04
+
+    policy = AdaptiveDraftLength(CostProfile([1, 2, 64], [1.0, 10.0, 320.0]), max_depth=2)
+    policy.PROBE_EVERY = 10**6  # no probes after the first: the looks alone
+    policy.draft_cost = Cost()
+    policy.step_cost.record = lambda *a, **kw: None
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=200), torch.Generator(), num_draft_tokens=2)
+    drafted, verified = _fruitless_steps(policy, [seq], 40)
+    assert drafted == [1, 2, 4, 8, 16, 24, 32, 40] and verified == [2], (drafted, verified)
+
+
+def test_a_new_load_starts_the_probe_interval_again():
+    """Where nothing pays at 64 requests the probes grow 256 steps apart; at 32 they stay so, but
+    when the batch shrinks to 4 (4-fold or more: LOAD_CHANGE) the policy probes 8 steps later, as a fresh one would, since what pays
+    depends on the load."""
+    from verispec.sequence import Sequence
+
+    policy = AdaptiveDraftLength(CostProfile([1, 64, 512], [1.0, 64.0, 512.0]), max_depth=2)
+    policy.step_cost.record = lambda *a, **kw: None
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=10**4), torch.Generator(), num_draft_tokens=2)
+            for i in range(64)]
+    _, verified = _fruitless_steps(policy, seqs, 600)
+    assert verified[:6] == [2, 10, 26, 58, 122, 250], verified  # 8, 16, 32, ... steps apart
+    assert policy._probe_every == AdaptiveDraftLength.PROBE_MAX
+    _, verified = _fruitless_steps(policy, seqs[:32], 20)  # half the batch: not yet a new load
+    assert not verified
+    _, verified = _fruitless_steps(policy, seqs[:4], 20)  # a sixteenth
+    assert verified and verified[0] <= 620 + 8 + 1, verified

@@ -48,15 +48,21 @@ class AdaptiveDraftLength:
     # a probe of one token per request cost 2.7 plain steps. Before that, every request's best node
     # (bounded probes left a fresh policy at 8 requests verifying almost nothing). A dear drafter
     # drafts only on probes.
+    # The interval starts again at PROBE_EVERY when the batch has grown or shrunk LOAD_CHANGE-fold
+    # since it last did: whether speculation pays depends on the load, and a policy that learned at
+    # 64 requests that nothing pays probed every 256 steps at 2 and 4, verifying almost nothing for
+    # a whole sweep level where fixed k = 5 ran 1.3x plain decoding (session 24).
     PROBE_EVERY = 8
     PROBE_MAX = 256
+    LOAD_CHANGE = 4
     PROBE_SHARE = 0.25
     PROBE_ALL_UNTIL = 256  # observations before probes are bounded: a cold policy learns from every request
     CHEAP_DRAFT = 0.05  # drafting under 5% of a plain step's time: draft the full k
-    # A cheap drafter whose last draft was not worth verifying drafts again ("looks") only as often
-    # as keeps such fruitless drafting under LOOK_SHARE of the decode time: every step at 1 request
-    # (the n-gram lookup costs 0.1 ms against a 50 ms step), every 4th at 64 (6 of 307 ms, 2% of
-    # every step where the planner verified nothing, which at 64 requests is nearly every step).
+    # A cheap drafter whose last draft was not worth verifying drafts again ("looks") 1, 2, 4, ...
+    # steps later, doubling with every fruitless look, at most as rarely as keeps such drafting under
+    # LOOK_SHARE of the decode time: every 4th step at 64 requests (2 of 75 ms); a look whose plan
+    # verifies starts the doubling again. (With the cap alone, one fruitless look at 4 requests,
+    # 0.4 ms of drafting against a 12 ms step, meant 7 steps of plain decoding.)
     LOOK_SHARE = 0.005
     # A plan is the best of many estimates, so its estimate is biased up (the optimizer's curse);
     # where a step's cost grows with every token (64 requests on a 2-core CPU) the best plans are
@@ -82,6 +88,8 @@ class AdaptiveDraftLength:
         self._probe_every = self.PROBE_EVERY
         self._next_probe = 0
         self._last_draft = 0  # the step that last drafted
+        self._look_wait = 1  # steps from a fruitless look to the next (doubling; a cheap drafter)
+        self._probe_load: int | None = None  # the batch size when the probe interval last started
         self._stale: int | None = None  # topb: the best window or budget by last step's survivals
         self.packed_chains = True  # the engine verifies chains packed (set by the engine: CPU yes, else padded)
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
@@ -108,19 +116,23 @@ class AdaptiveDraftLength:
         than last step's window, and nothing after a step that verified nothing. Probe steps
         draft the full k. Only past steps decide this."""
         self.steps += 1
+        n = len(seqs)
+        if self._probe_load is None or max(n, self._probe_load) >= self.LOAD_CHANGE * min(n, self._probe_load):
+            self._probe_load, self._probe_every = n, self.PROBE_EVERY  # a new load: probe as a fresh policy would
+            self._next_probe = min(self._next_probe, self.steps + self.PROBE_EVERY)
         self._probe = self.width == 0 and self.steps >= self._next_probe
         if self._probe:
             self._next_probe = self.steps + self._probe_every
             self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
         elif self.width:  # a verified window gave verdicts: the next probe is an interval from here
             self._next_probe = self.steps + self._probe_every
-        n = len(seqs)
         if self.width is None or self._probe:
             adaptive_cap = cap
         else:  # (the step cost, medians over every seen count, is read only when it decides)
             draft, step = self.draft_cost(n), self.step_cost(n)
             if draft <= self.CHEAP_DRAFT * step:
-                adaptive_cap = cap if self.width or self.steps - self._last_draft >= look_every(draft, step, self.LOOK_SHARE) else 0
+                wait = min(self._look_wait, look_every(draft, step, self.LOOK_SHARE))
+                adaptive_cap = cap if self.width or self.steps - self._last_draft >= wait else 0
             else:
                 adaptive_cap = min(cap, self.width + 2) if self.width else 0
         out = [max(0, min(s.num_draft_tokens, cap if pinned(s) else adaptive_cap, s.params.max_tokens - s.num_output - 1))
@@ -147,6 +159,10 @@ class AdaptiveDraftLength:
             kept = self._plan_packed(surv, pins, drafts, exact)
         else:
             kept = self._plan_window(surv, pins, drafts, exact)
+        if self.width:  # a look (or a probe) that found a plan worth verifying
+            self._look_wait = 1
+        elif not self._probe:  # a fruitless look: the next one waits twice as long (capped where it is read)
+            self._look_wait *= 2
         out = []
         for s, d, c, k in zip(seqs, drafts, conf, kept):
             out.append(d.select(k))
