@@ -135,3 +135,16 @@ def test_the_row_count_is_timed_once_per_machine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(GreedyHead, "_time_rows", timed_again)
     assert GreedyHead.build(w, PrepackedWeight(w)).max_rows == 3
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_tokens_hold_at_any_input_scale(scale):
+    """Random directions at tiny to huge norms (the bound scales with ||x|| and |a|; flat rows
+    leave more than the top 256 in play and search the whole row): the full head's argmax."""
+    w = _head(8192, 640, 7)
+    full = PrepackedWeight(w)
+    gh = GreedyHead(w, full)
+    x = (torch.randn(64, 640, generator=torch.Generator().manual_seed(8)) * scale).bfloat16()
+    want = _full_argmax(full, x)
+    got = torch.cat([gh.tokens(x[i : i + 4]) for i in range(0, len(x), 4)])
+    assert torch.equal(got, want), f"{int((got != want).sum())} tokens differ"

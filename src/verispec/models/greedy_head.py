@@ -123,7 +123,7 @@ class GreedyHead:
             return None
         x = x.contiguous()
         a = self.int8.mm(x)  # [M, V] bf16: the approximate logits
-        xn = x.float().norm(dim=1) * (1 + 2.0 ** -16)  # [M], rounded up
+        xn = (x.double().norm(dim=1) * (1 + 1e-9)).float() * (1 + 2.0 ** -20)  # [M], rounded up (an fp32 sum of 640 squares is off by up to ~2e-5)
         vals, idx = a.topk(min(TOPK, a.shape[1]), dim=1)  # [M, TOPK], largest first
         top, first = vals[:, 0].float(), idx[:, 0]  # [M]
         lower = top - (1.01 * xn * self.slack[first] + REL * top.abs() + ABS)  # [M]: y at `first` is at least this
