@@ -22,7 +22,8 @@ itself. The largest a_m gives a lower bound L on the largest y; a token whose up
 a_i + (bound) is below L cannot be the argmax, strictly.
 
 Where it pays: where the head is read, not computed: a few rows per call (greedy decoding at
-batch 1, short verify windows). `worth(rows)` says so from a one-time timing of both heads.
+batch 1, short verify windows). `GreedyHead.build` times both heads once per machine and
+keeps the row counts where this one is faster (`max_rows`, cached).
 """
 
 from __future__ import annotations
