@@ -25,7 +25,6 @@ import bisect
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -120,12 +119,7 @@ def profile_key(model) -> dict:
     c = model.config
     arch = {k: getattr(c, k, None) for k in ("model_type", "num_layers", "hidden_size", "intermediate_size",
                                               "num_heads", "num_kv_heads", "head_dim", "vocab_size")}
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = kernels.cpu_name()
     layers = getattr(getattr(model, "model", None), "layers", None)
     native = bool(layers) and hasattr(layers[0], "native") and layers[0].native() is not None
     return {"cpu": cpu, "cores": os.cpu_count(), "device": str(model.device), "dtype": str(model.dtype),

@@ -162,7 +162,7 @@ class AdaptiveDraftLength:
         if self.width:  # a look (or a probe) that found a plan worth verifying
             self._look_wait = 1
         elif not self._probe:  # a fruitless look: the next one waits twice as long (capped where it is read)
-            self._look_wait *= 2
+            self._look_wait = min(2 * self._look_wait, self.PROBE_MAX)
         out = []
         for s, d, c, k in zip(seqs, drafts, conf, kept):
             out.append(d.select(k))

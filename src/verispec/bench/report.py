@@ -23,12 +23,9 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from ..kernels import cpu_name
+
+    cpu = cpu_name()
     mem = None
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30

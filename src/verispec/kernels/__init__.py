@@ -145,6 +145,19 @@ def isa() -> str | None:
     return fn().decode()
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` says): what the timings cached
+    per machine (cost profiles, the greedy head's row count) and the reports name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        if name:
+            return name
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def source_hash() -> str:
     """A short hash of the kernels' C sources: what their speed depends on, besides the machine
     (the adaptive policy's cost profiles are cached under it)."""

@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import time
 
@@ -117,7 +116,7 @@ class GreedyHead:
         self.slack = (slack * 1.01).float() * (1 + 2.0 ** -20)  # rounded up, as fp32
         self.slack_max = float(self.slack.max())
         self.max_rows = max_rows  # calls of up to this many rows take the shortcut (CausalLM.greedy_tokens)
-        self.calls = self.candidates = 0  # how many rows and candidate tokens (metrics, tests)
+        self.calls = self.candidates = 0  # rows it answered and candidates it rescored (tests, benchmarks)
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         if not torch.isfinite(x).all():
@@ -165,11 +164,6 @@ def _rows_path(weight: torch.Tensor):
     """Where `GreedyHead.build` caches its timed row count for this machine and head shape."""
     from .loading import cache_root
 
-    key = [platform.processor() or platform.machine(), os.cpu_count(), torch.get_num_threads(), list(weight.shape),
-           kernels.source_hash()]
-    try:
-        key[0] = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), key[0])
-    except OSError:
-        pass
+    key = [kernels.cpu_name(), os.cpu_count(), torch.get_num_threads(), list(weight.shape), kernels.source_hash()]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return cache_root() / "greedy_head" / f"{digest}.json"
