@@ -74,8 +74,13 @@ def choose_wait_policy() -> str | None:
 
 def setup_threads(requested: int | None) -> int:
     """Set torch's thread count to `requested` (None: torch's own choice, one per core, or
-    OMP_NUM_THREADS). Returns the count in use."""
+    OMP_NUM_THREADS). Returns the count in use. Every command calls it first, so it also keeps
+    the process's freed memory (memory.py: large temporaries without page faults)."""
     import torch
+
+    from .memory import keep_freed_memory
+
+    keep_freed_memory()
 
     if requested is not None:
         torch.set_num_threads(requested)
