@@ -30,6 +30,11 @@ def method(argv: list[str]) -> str:
     return f"{drafter} k={get('-k', '?')} {get('--draft-policy', 'fixed')}"
 
 
+def med(xs) -> float | None:
+    xs = list(xs)
+    return statistics.median(xs) if xs else None
+
+
 def kinds(steps: list[dict]) -> dict[str, dict]:
     """The level's steps by kind: prefill (a forward of prompts alone), quiet (decode, nothing
     verified), verify (decode with admitted nodes), rider / rider+verify (decode steps that
@@ -73,13 +78,12 @@ def summary(steps: list[dict], level: int, plain_step: float | None) -> dict:
             verifying_steps=sum(1 for r in decode if r.get("admitted")), plans=len(planned), probes=len(probes),
             drafting_s=sum(r.get("draft_s", 0) for r in decode),
             admitted=sum(r.get("admitted", 0) for r in decode), accepted=sum(r.get("accepted", 0) for r in decode),
-            plan_predicted=statistics.median(r["predicted"] for r in planned if r.get("predicted")) if planned else None,
-            plan_ran=statistics.median(ran) if ran else None,
-            plan_cost_error=statistics.median(r["s"] / r["cost_plan"] for r in planned if r.get("cost_plan")) if planned else None,
-            quiet_cost_error=statistics.median(r["s"] / r["cost_plain"] for r in full if r.get("cost_plain") and not r.get("admitted")
-                                               and not r["prompt"]) if any(r.get("cost_plain") and not r.get("admitted") and not r["prompt"] for r in full) else None,
+            plan_predicted=med(r["predicted"] for r in planned if r.get("predicted")),
+            plan_ran=med(ran),
+            plan_cost_error=med(r["s"] / r["cost_plan"] for r in planned if r.get("cost_plan")),
+            quiet_cost_error=med(r["s"] / r["cost_plain"] for r in full if r.get("cost_plain") and not r.get("admitted") and not r["prompt"]),
             plan_expected=sum(r.get("expected", 0) for r in planned), plan_accepted=sum(r.get("accepted", 0) for r in planned),
-            probe_ran=statistics.median((r["n"] + r.get("accepted", 0)) / r["s"] / (r["n"] / base) for r in probes) if probes and base else None,
+            probe_ran=med((r["n"] + r.get("accepted", 0)) / r["s"] / (r["n"] / base) for r in probes) if base else None,
         )
     return out
 
