@@ -8,13 +8,15 @@ filling 67 MB took 12.7 ms by default and 1.2 ms with the thresholds below (this
 the head at 64 rows inside the engine ran 36-45 ms by default and 25 ms with them, and a level
 of 64 streams (plan_trace.py's requests) 15.0-15.6 s against 17.8-19.5 s.
 
-So the commands ask glibc to serve allocations under 256 MB from its heap and to keep up to
+So the commands ask glibc to serve allocations under 256 MB from its main heap (the server's
+engine thread's too: a thread's own arena mmaps whatever exceeds its 64 MB heaps, and the
+server's heads at 64 requests still ran 39 ms) and to keep up to
 256 MB of what is freed at its top (`keep_freed_memory`), as the caching allocators of jemalloc,
 tcmalloc and CUDA keep freed memory for the next request. Bounded: with no bound (1 GiB and
 never trimmed) each process held its peak of temporaries for good, and a server sweep's six
 servers beside the benchmark's own engines ran a 24 GB machine out of memory. Where
-MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ is set, or the C library is not glibc, nothing
-changes. The Python API leaves it to the caller, whose process it is.
+MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or MALLOC_ARENA_MAX is set, or the C library is not
+glibc, nothing changes. The Python API leaves it to the caller, whose process it is.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 KEEP = 256 << 20  # allocations under this come from the heap; up to this much freed memory stays there
 
 
 def keep_freed_memory() -> bool:
-    """Serve allocations under KEEP from the heap and trim its top only past KEEP of free memory.
-    True where it took effect."""
-    if any(v in os.environ for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+    """Serve allocations under KEEP from the heap, every thread's from the main one, and trim its
+    top only past KEEP of free memory. Call it before other threads allocate. True where it took
+    effect."""
+    if any(v in os.environ for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")):
         return False  # the user's choice
     name = ctypes.util.find_library("c")
     try:
@@ -43,7 +47,10 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(M_MMAP_THRESHOLD, KEEP) == 1 and mallopt(M_TRIM_THRESHOLD, KEEP) == 1
+    # one arena: a thread's allocations otherwise come from an arena of its own, whose heaps are
+    # 64 MB at most and mmap whatever is larger (the server's engine thread: the head's 67 MB)
+    ok = all(mallopt(param, value) == 1 for param, value in
+             ((M_MMAP_THRESHOLD, KEEP), (M_TRIM_THRESHOLD, KEEP), (M_ARENA_MAX, 1)))
     if not ok:
         log.debug("mallopt refused the thresholds; freed memory goes back to the kernel")
     return ok
