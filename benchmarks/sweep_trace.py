@@ -39,11 +39,16 @@ def kinds(steps: list[dict]) -> dict[str, dict]:
     """The level's steps by kind: prefill (a forward of prompts alone), quiet (decode, nothing
     verified), verify (decode with admitted nodes), rider / rider+verify (decode steps that
     carried prompt chunks): steps, seconds, mean running requests, prompt tokens and admitted
-    nodes a step, decode tokens emitted."""
+    nodes a step, decode tokens emitted. Admitted nodes are traced under the adaptive policy only:
+    a fixed-k server's decode steps all count as quiet or rider."""
     out: dict[str, list[dict]] = {}
     for r in steps:
-        kind = "prefill" if r["kind"] != "decode" else ("rider" if r["prompt"] else "") + (
-            "+verify" if r.get("admitted") and r["prompt"] else "verify" if r.get("admitted") else "" if r["prompt"] else "quiet")
+        if r["kind"] != "decode":
+            kind = "prefill"
+        elif r["prompt"]:
+            kind = "rider+verify" if r.get("admitted") else "rider"
+        else:
+            kind = "verify" if r.get("admitted") else "quiet"
         out.setdefault(kind, []).append(r)
     return {k: {"steps": len(g), "seconds": sum(r["s"] for r in g), "mean_n": statistics.mean(r["n"] for r in g),
                 "prompt_per_step": statistics.mean(r["prompt"] for r in g),

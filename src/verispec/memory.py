@@ -4,9 +4,10 @@ glibc's malloc hands every allocation over its mmap threshold (dynamic, at most 
 fresh pages from the kernel and returns them on free; the kernel zeroes each page on first touch.
 A decode step at 64 requests allocates its LM head output, [64, 262144] in bf16 (33.5 MB) and
 again in fp32 (67 MB), and a verify step more: every step paid for zeroing them. Allocating and
-filling 67 MB took 12.7 ms by default and 1.2 ms with the thresholds below (this 2-core EPYC);
-the head at 64 rows inside the engine ran 36-45 ms by default and 25 ms with them, and a level
-of 64 streams (plan_trace.py's requests) 15.0-15.6 s against 17.8-19.5 s.
+filling 67 MB after ten warm-up rounds took 10.2-11.6 ms by default and 0.9-1.4 ms with the
+thresholds below (this 2-core EPYC, 16,385 page faults against none); the head at 64 rows inside
+the engine ran 36-45 ms by default and 27 ms with them, and a level of 64 streams (two engines
+on plan_trace.py's requests) 14.8-16.7 s against 17.8-19.5 s.
 
 So the commands ask glibc to serve allocations under 256 MB from its main heap (the server's
 engine thread's too: a thread's own arena mmaps whatever exceeds its 64 MB heaps, and the
