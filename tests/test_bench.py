@@ -208,8 +208,8 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
         [t for t in traces if t.method == "hf pld:3"], [t for t in traces if t.method == "plain"])
     assert set(rep["peer_outputs_vs_verispec_plain"]) == {"hf plain", "hf pld:3"}  # peers only
     assert rep["exact_cost"][NG]["outputs_equal_normal"]["total"] == 6
-    assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 12
-    assert [p["measured_requests"] for p in rep["sweep"]] == [3, 3, 3, 3, 4, 4]
+    assert [p["concurrency"] for p in rep["sweep"]] == [1, 1, 2, 2, 4, 4] and rep["sweep"][-1]["requests"] == 24
+    assert [p["measured_requests"] for p in rep["sweep"]] == [16] * 6  # MIN_MEASURED
     assert all(len(p["throughput_rounds"]) == 2 for p in rep["sweep"])
     assert all(p["throughput_tok_s"] == pytest.approx(statistics.median(p["throughput_rounds"])) for p in rep["sweep"])
     assert all(p["drain_throughput_tok_s"] == pytest.approx(p["output_tokens"] / p["seconds"]) for p in rep["sweep"])
@@ -233,11 +233,12 @@ def test_report_files_are_written_and_parse(tiny, tmp_path):
 
 def test_sweep_requests_are_a_wave_the_measured_ones_and_a_wave_behind(tiny):
     _, _, prompts = tiny
-    assert [p.id for p in sweep_requests(prompts, 1)] == ["toy/0", "toy/1", "toy/2", "toy/0", "toy/1"]
-    assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2"] * 2 + ["toy/0"]
-    assert [p.id for p in sweep_requests(prompts, 5)] == ["toy/0", "toy/1", "toy/2"] * 5
-    pool = [P.Prompt("toy", f"pool/{i}", "x", "completion", ["x"]) for i in range(20)]
-    assert [p.id for p in sweep_requests(prompts, 4, pool)] == [f"pool/{i}" for i in range(12)]  # 4 + 4 + 4
+    # a wave, at least MIN_MEASURED = 16 measured (one per slot above that), a wave
+    assert [p.id for p in sweep_requests(prompts, 1)] == (["toy/0", "toy/1", "toy/2"] * 6)[:18]
+    assert [p.id for p in sweep_requests(prompts, 2)] == ["toy/0", "toy/1", "toy/2"] * 6 + ["toy/0", "toy/1"]
+    assert [p.id for p in sweep_requests(prompts, 20)] == (["toy/0", "toy/1", "toy/2"] * 20)[:60]
+    pool = [P.Prompt("toy", f"pool/{i}", "x", "completion", ["x"]) for i in range(30)]
+    assert [p.id for p in sweep_requests(prompts, 4, pool)] == [f"pool/{i}" for i in range(24)]  # 4 + 16 + 4
 
 
 def test_sweep_throughput_is_littles_law_over_the_requests_after_the_first_wave(tiny):
@@ -461,7 +462,7 @@ def test_server_sweep_streams_the_same_greedy_text(tmp_path):
     points = run_server_sweep("gemma3-270m", [None, "ngram"], 5, "bfloat16", [1, 3], prompts, 12, 512,
                               threads=torch.get_num_threads())
     assert [(p["method"], p["concurrency"], p["requests"]) for p in points] == [
-        ("plain (server)", 1, 4), ("ngram (server)", 1, 4), ("plain (server)", 3, 9), ("ngram (server)", 3, 9)]
+        ("plain (server)", 1, 18), ("ngram (server)", 1, 18), ("plain (server)", 3, 22), ("ngram (server)", 3, 22)]
     assert all(p["output_tokens"] == 12 * p["requests"] and p["throughput_tok_s"] > 0 for p in points)
     assert points[0]["tau"] == 1.0 and points[1]["tau"] >= 1.0
     rep = R.build(traces, methods, prompts, {"model": "gemma3-270m"}, points, env={"x": 1},

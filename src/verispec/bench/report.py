@@ -280,7 +280,7 @@ def markdown(report: dict, plots: list[str]) -> str:
     if report["sweep"]:
         md += ["## Load sweep", "", "In-process points: one engine per point with max_batch_size = concurrency; the "
                "requests from a pool of distinct prompts (the run's first): a first wave, the measured requests "
-               "(the prompts once, or one per slot), a wave more queued behind them, so a finished request's slot "
+               "(the prompts once, or one per slot, at least 16), a wave more queued behind them, so a finished request's slot "
                "goes to a waiting one; throughput by Little's law over the measured requests, and with the drain "
                "until the last one finished. Outputs outside the single-stream prompts are compared with plain "
                "decoding's at the same level. Points "

@@ -193,8 +193,8 @@ class SweepPoint:
 
 def sweep_requests(prompts: list[Prompt], concurrency: int, pool: list[Prompt] | None = None) -> list[Prompt]:
     """A level's requests, the prompts of `pool` (default: `prompts`) in order, repeated if need
-    be: a first wave of `concurrency`, then the measured ones (as many as the run's prompts, or
-    one per slot), then `concurrency` more to keep every slot busy while they run (`busy_throughput`).
+    be: a first wave of `concurrency`, then the measured ones (`measured_requests`), then
+    `concurrency` more to keep every slot busy while they run (`busy_throughput`).
 
     The pool should hold distinct prompts enough that none repeats within a batch: requests with
     the same prompt admitted together prefill it once (parallel sampling's twins), which plain
@@ -205,8 +205,14 @@ def sweep_requests(prompts: list[Prompt], concurrency: int, pool: list[Prompt] |
     return (source * -(-n // len(source)))[:n]
 
 
+MIN_MEASURED = 16
+
+
 def measured_requests(num_prompts: int, concurrency: int) -> int:
-    return max(num_prompts, concurrency)
+    """As many as the run's prompts, or one per slot, and never fewer than `MIN_MEASURED`: with 4
+    requests measured at one stream the window was 4 requests long, and the same method's
+    throughput moved 10-30% from round to round on this shared machine (session 25's sweep)."""
+    return max(num_prompts, concurrency, MIN_MEASURED)
 
 
 def busy_throughput(rows: list[dict], concurrency: int, measured: int) -> float:
