@@ -146,7 +146,7 @@ def cmd_bench(args) -> int:
     from ..models import ModelLoadError, hf_folder, load_model, load_tokenizer
     from ..threads import setup_threads
     from . import report as R
-    from .runner import run_interleaved, run_sweep, verispec_methods
+    from .runner import measured_requests, run_interleaved, run_sweep, verispec_methods
 
     _check(args)
     setup_threads(args.threads)
@@ -207,7 +207,7 @@ def cmd_bench(args) -> int:
                                     tag="" if args.quant[0] == "none" else f" [{args.quant[0]}]")
     sweep = []
     if args.concurrency:
-        pool = sweep_pool(prompts, args.datasets, max(2 * c + max(len(prompts), c) for c in args.concurrency),
+        pool = sweep_pool(prompts, args.datasets, max(2 * c + measured_requests(len(prompts), c) for c in args.concurrency),
                           tok, model_type, max_len - args.max_tokens, args.sharegpt_n, args.seed)
         log(f"load sweep: {len(pool)} distinct prompts")
         sweep_drafters = [None, *(args.sweep_drafters if args.sweep_drafters is not None else args.drafters)]
