@@ -222,6 +222,8 @@ class Engine:
         # a prefill of its own runs before admit: the policy times the step from there
         events = [] if packed or not chunks else self._run_prefill(chunks, twins)
         riders = chunks if packed else []
+        if riders:  # the adaptive policy prices its plan, and times the step, with their tokens
+            self.policy.riders(sum(len(c) for _, _, c, _ in riders), sum(1 for *_, last in riders if last))
         drafts = self.policy.admit(seqs, drafts, draft_seconds)
         width = 1 + max(len(d.tokens) for d in drafts)
         starts = [self.cache.lengths[s.slot] for s in seqs]
@@ -238,8 +240,7 @@ class Engine:
         ends = [o.last_hidden[0, -1:] for o, (_, _, _, last) in zip(rider_outs, riders) if last] if riders else []
         starting = [s for q, *_, last in riders if last for s in (q, *twins.get(q.id, ()))]
         flat, best = self._head(torch.cat([out.last_hidden[b, :n] for b, n in enumerate(sizes)] + ends), seqs + starting)
-        if riders:  # the step's time includes them: the adaptive policy prices its tokens with theirs
-            self.policy.riders(sum(len(c) for _, _, c, _ in riders), len(ends))
+        if riders:
             first = iter(flat[sum(sizes):].split(1) if flat is not None else best[sum(sizes):])  # [1, V] or a token each
             flat = flat[: sum(sizes)] if flat is not None else None  # [sum sizes, V]
             events += self._finish_prefill(riders, twins, rider_outs, [next(first) if last else None for *_, last in riders])

@@ -29,8 +29,8 @@ class DraftLengthPolicy(Protocol):
         ...
 
     def riders(self, tokens: int, head_rows: int) -> None:
-        """Prompt tokens that ride in this step's verify forward, and the LM head rows they add
-        (their cost is in the step's time: for policies that time the steps)."""
+        """Prompt tokens that ride in this step's verify forward, and the LM head rows they add;
+        called before `admit` (for policies that price their plans and time the steps)."""
         ...
 
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:

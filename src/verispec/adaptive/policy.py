@@ -82,6 +82,7 @@ class AdaptiveDraftLength:
         self.draft_cost = DraftCost()
         self._step_cost: StepCost | None = None
         self._verify_started: tuple[int, int, int, float] | None = None  # (num_reqs, forward tokens, head rows, perf_counter)
+        self._riding = (0, 0)  # this step's prompt tokens in the verify forward and the head rows they add (riders)
         self.steps = 0
         self.width = None  # the window chosen last step; packed: the most nodes one request got (None: no step yet)
         self._probe = False  # this step is a probe (budgets): it verifies at least one node
@@ -144,9 +145,11 @@ class AdaptiveDraftLength:
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
         self.last_drafted = sum(len(d.tokens) for d in drafts)
         n = len(seqs)
+        riding, ends = self._riding
+        self._riding = (0, 0)
         if not self.last_drafted:  # nothing to plan; the window stays as it was
             self.last_admitted = 0
-            self._verify_started = (n, n, n, time.perf_counter())
+            self._verify_started = (n, n + riding, n + ends, time.perf_counter())
             return drafts
         self.draft_cost.record(n, draft_seconds)
         conf = self.estimator.predict_many([d.features for d in drafts], [d.depths() for d in drafts])
@@ -156,7 +159,7 @@ class AdaptiveDraftLength:
         # lossless, so the best plan by the current survivals (no early stop at a local maximum)
         exact = all(s.params.greedy or d.q is None for s, d in zip(seqs, drafts))
         if self.packed_chains and all(d.parents is None for d in drafts):
-            kept = self._plan_packed(surv, pins, drafts, exact)
+            kept = self._plan_packed(surv, pins, drafts, exact, riding, ends)
         else:
             kept = self._plan_window(surv, pins, drafts, exact)
         if self.width:  # a look (or a probe) that found a plan worth verifying
@@ -170,7 +173,7 @@ class AdaptiveDraftLength:
         self.last_admitted = sum(len(d.tokens) for d in out)
         packed = self.packed_chains and all(d.parents is None for d in drafts)
         tokens = n + self.last_admitted if packed else n * (1 + max(len(d.tokens) for d in out))
-        self._verify_started = (n, tokens, n + self.last_admitted, time.perf_counter())
+        self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, time.perf_counter())
         return out
 
     def _choose(self, theta: list[float], exact: bool) -> int:
@@ -186,22 +189,27 @@ class AdaptiveDraftLength:
             self._stale = best  # used next step only: its survivals are then history
         return choice if theta[choice] >= (1 + self.MARGIN) * theta[0] else 0
 
-    def _plan_packed(self, surv, pins, drafts, exact) -> list[list[int]]:
+    def _plan_packed(self, surv, pins, drafts, exact, riding: int = 0, ends: int = 0) -> list[list[int]]:
         """Packed chains (engine._chain_forward): a step costs what its N + B tokens cost, so the
-        batch verifies its best B nodes by survival, wherever they are (vLLM's global top-B)."""
+        batch verifies its best B nodes by survival, wherever they are (vLLM's global top-B).
+        Prompt chunks riding in the forward (`riding` tokens, `ends` of them given to the LM head)
+        are priced with the plan: B nodes cost what they add to the forward they really join."""
         n = len(surv)
         base = n + sum(len(d.tokens) for d, p in zip(drafts, pins) if p)  # roots and pinned drafts
         free = [[] if p else sv for sv, p in zip(surv, pins)]
         dsec = self.draft_cost(n)
-        theta = budget_throughput(free, dsec, lambda m: self.step_cost.costs(n, [base + B for B in range(m + 1)]),
-                                  self.SURVIVAL_FLOOR)
+
+        def priced(budgets: range) -> list[float]:
+            return self.step_cost.costs(n, [base + riding + B for B in budgets], [base + ends + B for B in budgets])
+
+        theta = budget_throughput(free, dsec, lambda m: priced(range(m + 1)), self.SURVIVAL_FLOOR)
         budget = self._choose(theta, exact)
         kept = keep_best(free, budget, self.SURVIVAL_FLOOR)
         self.width = max(len(k) for k in kept)
         if self._probe and not budget:  # the best node of as many requests as PROBE_SHARE pays for
             firsts = [(r, request_order(sv)[0]) for r, sv in enumerate(free) if sv]
             firsts.sort(key=lambda ri: -free[ri[0]][ri[1]])
-            costs = self.step_cost.costs(n, [base + m for m in range(len(firsts) + 1)])
+            costs = priced(range(len(firsts) + 1))
             m = max(1, sum(1 for c in costs[1:] if c <= (1 + self.PROBE_SHARE) * costs[0])) if firsts else 0
             if self.estimator.observations < self.PROBE_ALL_UNTIL:  # a cold estimator: a verdict from every request
                 m = len(firsts)
@@ -232,11 +240,9 @@ class AdaptiveDraftLength:
         return [list(range(len(d.tokens))) if p else k for d, k, p in zip(drafts, keep(surv, width), pins)]
 
     def riders(self, tokens: int, head_rows: int) -> None:
-        """Prompt tokens in this step's forward (engine._decode_step): the step is timed, and so
-        priced, at its forward's real size."""
-        if self._verify_started is not None:
-            n, t, rows, t0 = self._verify_started
-            self._verify_started = (n, t + tokens, rows + head_rows, t0)
+        """Prompt tokens in this step's forward (engine._decode_step, before `admit`): the plan is
+        priced, and the step timed, at its forward's real size."""
+        self._riding = (tokens, head_rows)
 
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         if self._verify_started is not None:  # the step's time after drafting, by forward size and head rows
