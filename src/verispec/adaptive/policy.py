@@ -192,15 +192,23 @@ class AdaptiveDraftLength:
     def _plan_packed(self, surv, pins, drafts, exact, riding: int = 0, ends: int = 0) -> list[list[int]]:
         """Packed chains (engine._chain_forward): a step costs what its N + B tokens cost, so the
         batch verifies its best B nodes by survival, wherever they are (vLLM's global top-B).
-        Prompt chunks riding in the forward (`riding` tokens, `ends` of them given to the LM head)
-        are priced with the plan: B nodes cost what they add to the forward they really join."""
+
+        Prompt chunks riding in the forward (`riding` tokens, `ends` of them given to the LM head):
+        B nodes cost what they add to the forward they really join, but the riders' own cost is
+        not the plan's. Every request's prompt is prefilled once whatever is verified, so what a
+        plan changes is decode time per decode token; counted in, the riders' cost made any plan
+        look cheap beside it (predicted 1.38x on such steps at 64 streams, where verified tokens
+        cost about what they saved: benchmarks/results/adaptive-s26/level_steps_64_*.txt)."""
         n = len(surv)
         base = n + sum(len(d.tokens) for d, p in zip(drafts, pins) if p)  # roots and pinned drafts
         free = [[] if p else sv for sv, p in zip(surv, pins)]
         dsec = self.draft_cost(n)
 
         def priced(budgets: range) -> list[float]:
-            return self.step_cost.costs(n, [base + riding + B for B in budgets], [base + ends + B for B in budgets])
+            alone = self.step_cost.costs(n, [base], [base])[0] if riding else 0.0
+            joined = self.step_cost.costs(n, [base + riding + B for B in budgets], [base + ends + B for B in budgets])
+            share = joined[0] - alone if riding else 0.0  # the riders' part of the step
+            return [c - share for c in joined]
 
         theta = budget_throughput(free, dsec, lambda m: priced(range(m + 1)), self.SURVIVAL_FLOOR)
         budget = self._choose(theta, exact)
