@@ -1,7 +1,9 @@
 """A/B of the adaptive policy's pricing of prompt chunks that ride in a verify forward, in process at
-one load level: plain decoding, the adaptive policy as it is (a packed plan priced with the
-riders' tokens, engine._decode_step calls `policy.riders` before `policy.admit`) and the
-session-25 rule (riders reported after the plan, only to time the step). Each adaptive policy
+one load level: plain decoding, the adaptive policy as it is ("priced": engine._decode_step calls
+`policy.riders` before `policy.admit`, and a plan is priced by what it adds to the forward the
+riders are in) and the session-25 rule ("unpriced": riders reported after the plan, only to
+time the step). Session 26's results file was measured with the first version of the priced
+rule, which counted the riders' own cost in the plan's step (BENCHMARKS.md, session 26). Each adaptive policy
 first lives through the given lower levels, as in the sweep; then rounds at the level, the
 methods' order rotated; busy throughput as the sweep measures it (`runner.busy_throughput`).
 

@@ -340,6 +340,21 @@ def test_packed_chains_verify_the_batchs_best_nodes_wherever_they_are(packed):
         assert policy._verify_started[1:3] == (4, 4)
 
 
+def _plan_two_sure_drafts(profile: CostProfile, riding: int):
+    """Two requests, each a sure 1-node draft, `riding` prompt tokens (one prompt ending) in the
+    forward: the nodes kept and the step's (forward tokens, LM head rows) as it will be timed."""
+    from verispec.sequence import Sequence
+
+    policy = AdaptiveDraftLength(profile, max_depth=2)
+    policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator()) for i in range(2)]
+    policy.budgets(seqs, 1)
+    if riding:
+        policy.riders(riding, 1)
+    out = policy.admit(seqs, [Draft([4], features=[[8.0]]), Draft([5], features=[[8.0]])], 0.0)
+    return [d.tokens for d in out], policy._verify_started[1:3]
+
+
 def test_a_plan_is_priced_by_what_it_adds_to_the_forward_the_prompt_tokens_ride_in():
     """Two requests with sure drafts on a machine where 2 more tokens triple a 2-token forward but
     add 4% to a 20-token one: alone, plain decoding is cheaper; with 18 prompt tokens riding in
@@ -347,37 +362,18 @@ def test_a_plan_is_priced_by_what_it_adds_to_the_forward_the_prompt_tokens_ride_
     step whose decoding costs 1 s, and verifying them pays. The riders' own 4 s are not the
     plan's: priced in, they would make any plan look cheap. The step is timed at the forward's
     real size: 2 + 2 + 18 tokens, 2 + 2 + 1 head rows."""
-    from verispec.sequence import Sequence
-
-    def plan(riding):
-        policy = AdaptiveDraftLength(CostProfile([1, 2, 4, 20, 22], [1.0, 1.0, 3.0, 5.0, 5.2]), max_depth=2)
-        policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
-        seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator()) for i in range(2)]
-        policy.budgets(seqs, 1)
-        if riding:
-            policy.riders(riding, 1)
-        out = policy.admit(seqs, [Draft([4], features=[[8.0]]), Draft([5], features=[[8.0]])], 0.0)
-        return [d.tokens for d in out], policy._verify_started[1:3]
-
-    assert plan(0) == ([[], []], (2, 2))
-    assert plan(18) == ([[4], [5]], (22, 5))
+    profile = CostProfile([1, 2, 4, 20, 22], [1.0, 1.0, 3.0, 5.0, 5.2])
+    assert _plan_two_sure_drafts(profile, 0) == ([[], []], (2, 2))
+    assert _plan_two_sure_drafts(profile, 18) == ([[4], [5]], (22, 5))
 
 
 def test_the_riders_own_cost_does_not_pay_for_a_plan():
     """The same two sure drafts where 2 more tokens cost as much at 20 tokens as at 2 (a linear
     machine): plain decoding wins with riders as without them. (With the riders' 4 s counted as
     the plan's base, theta(2) = 4 / 7 would beat theta(0) = 2 / 5.)"""
-    from verispec.sequence import Sequence
-
-    for riding in (0, 18):
-        policy = AdaptiveDraftLength(CostProfile([1, 2, 4, 20, 22], [1.0, 1.0, 3.0, 5.0, 7.0]), max_depth=2)
-        policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
-        seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator()) for i in range(2)]
-        policy.budgets(seqs, 1)
-        if riding:
-            policy.riders(riding, 1)
-        out = policy.admit(seqs, [Draft([4], features=[[8.0]]), Draft([5], features=[[8.0]])], 0.0)
-        assert [d.tokens for d in out] == [[], []], riding
+    profile = CostProfile([1, 2, 4, 20, 22], [1.0, 1.0, 3.0, 5.0, 7.0])
+    assert _plan_two_sure_drafts(profile, 0)[0] == [[], []]
+    assert _plan_two_sure_drafts(profile, 18)[0] == [[], []]
 
 
 def logit_(p):
