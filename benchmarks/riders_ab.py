@@ -1,70 +1,95 @@
-"""A/B of the adaptive policy's pricing of prompt chunks that ride in a verify forward, in process at
-one load level: plain decoding, the adaptive policy as it is ("priced": engine._decode_step calls
-`policy.riders` before `policy.admit`, and a plan is priced by what it adds to the forward the
-riders are in) and the session-25 rule ("unpriced": riders reported after the plan, only to
-time the step). Session 26's results file was measured with the first version of the priced
-rule, which counted the riders' own cost in the plan's step (BENCHMARKS.md, session 26). Each adaptive policy
-first lives through the given lower levels, as in the sweep; then rounds at the level, the
-methods' order rotated; busy throughput as the sweep measures it (`runner.busy_throughput`).
+"""A/B of the adaptive policy's pricing of prompt chunks that ride in a verify forward, in process
+at one load level: plain decoding, the adaptive policy as it is ("priced": engine._decode_step
+calls `policy.riders` before `policy.admit`, and a plan is priced by what it adds to the forward
+the riders are in) and the session-25 rule ("unpriced": riders reported after the plan, only to
+time the step). Each adaptive policy first lives through the given lower levels, as in the
+sweep; then rounds at the level, the methods' order rotated; busy throughput as the sweep
+measures it (`runner.busy_throughput`).
 
     python benchmarks/riders_ab.py 64 3 8,32     # level, rounds, levels seen before
 
-Session 26 (BENCHMARKS.md): benchmarks/results/adaptive-s26/riders_ab.txt.
+Session 26's results file (benchmarks/results/adaptive-s26/riders_ab.txt) was measured with the
+first version of the priced rule, which counted the riders' own cost in the plan's step
+(BENCHMARKS.md, session 26).
 """
+
 from verispec.memory import keep_freed_memory
+
 keep_freed_memory()
-import statistics, sys, time
-import torch
-from verispec import prompts as P
-from verispec.adaptive.policy import AdaptiveDraftLength
-from verispec.bench.cli import sweep_pool
-from verispec.bench.runner import build_engine, busy_throughput, engine_config, measured_requests, run_batch, sweep_requests
-from verispec.models import load_model, load_tokenizer
+
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+from verispec import prompts as P  # noqa: E402
+from verispec.adaptive.policy import AdaptiveDraftLength  # noqa: E402
+from verispec.bench.cli import sweep_pool  # noqa: E402
+from verispec.bench.runner import build_engine, busy_throughput, engine_config, measured_requests, run_batch, sweep_requests  # noqa: E402
+from verispec.models import load_model, load_tokenizer  # noqa: E402
+
+MAX_PROMPT, MAX_LEN = 140, 204  # the sweep's (run_adaptive.sh)
+
 
 class Unpriced(AdaptiveDraftLength):
-    """The session-25 rule: riders reported after admit, only to time the step."""
-    def riders(self, tokens, head_rows):
+    """The session-25 rule: the riders are added to the step's timing after the plan."""
+
+    def riders(self, tokens: int, head_rows: int) -> None:
         self._late = (tokens, head_rows)
+
     def admit(self, seqs, drafts, draft_seconds):
         out = super().admit(seqs, drafts, draft_seconds)
-        t, r = getattr(self, "_late", (0, 0)); self._late = (0, 0)
+        tokens, rows = getattr(self, "_late", (0, 0))
+        self._late = (0, 0)
         if self._verify_started is not None:
-            n, tt, rr, t0 = self._verify_started
-            self._verify_started = (n, tt + t, rr + r, t0)
+            n, t, r, t0 = self._verify_started
+            self._verify_started = (n, t + tokens, r + rows, t0)
         return out
 
-n = int(sys.argv[1]); rounds = int(sys.argv[2]); pre = [int(x) for x in sys.argv[3].split(",")]
-torch.set_num_threads(2)
-tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
-prompts = P.load(["mtbench", "humaneval"], 2)
-for p in prompts:
-    p.ids = P.render(p, tok, target.config.model_type)
-pool = sweep_pool(prompts, ["mtbench", "humaneval"], 3 * 64 + len(prompts), tok, target.config.model_type, 140)
-reqs = sweep_requests(prompts, n, pool); measured = measured_requests(len(prompts), n)
-def adaptive_engine(c, policy):
-    return build_engine(target, tok, engine_config("gemma3-270m", "ngram", 7, "bfloat16", False, c, 204, policy="adaptive"), None, policy)
-pols = {}
-for name, cls in (("priced", None), ("unpriced", Unpriced)):
-    pol = None
-    for c in pre:
-        e = adaptive_engine(c, pol)
-        if pol is None and cls is not None:
-            e.policy.__class__ = cls
-        pol = e.policy
-        run_batch(e, sweep_requests(prompts, c, pool), 64)
-    pols[name] = pol
-engs = {"plain": build_engine(target, tok, engine_config("gemma3-270m", None, 7, "bfloat16", False, n, 204, policy="fixed")),
-        "priced": adaptive_engine(n, pols["priced"]), "unpriced": adaptive_engine(n, pols["unpriced"])}
-assert type(engs["unpriced"].policy) is Unpriced and type(engs["priced"].policy) is AdaptiveDraftLength
-res = {k: [] for k in engs}
-for rnd in range(rounds):
-    names = list(engs)
-    names = names[rnd % 3:] + names[:rnd % 3]
-    for name in names:
-        eng = engs[name]
-        run_batch(eng, reqs[:n], 4)
-        seconds, rows, st = run_batch(eng, reqs, 64)
-        res[name].append(busy_throughput(rows, n, measured))
-        print(f"r{rnd+1} {name}: busy {res[name][-1]:.1f} tok/s, drain {sum(r['tokens'] for r in rows)/seconds:.1f}, tau {st.tau:.2f}", flush=True)
-for k, v in res.items():
-    print(k, f"median {statistics.median(v):.1f}", [round(x) for x in v], f"/ plain {statistics.median(v)/statistics.median(res['plain']):.3f}")
+
+def main() -> None:
+    n, rounds = int(sys.argv[1]), int(sys.argv[2])
+    before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
+    torch.set_num_threads(2)
+    tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
+    prompts = P.load(["mtbench", "humaneval"], 2)
+    for p in prompts:
+        p.ids = P.render(p, tok, target.config.model_type)
+    pool = sweep_pool(prompts, ["mtbench", "humaneval"], 2 * max([n, *before]) + measured_requests(len(prompts), n) + len(prompts),
+                      tok, target.config.model_type, MAX_PROMPT)
+    reqs, measured = sweep_requests(prompts, n, pool), measured_requests(len(prompts), n)
+
+    def engine(c: int, drafter: str | None, policy=None):
+        cfg = engine_config("gemma3-270m", drafter, 7, "bfloat16", False, c, MAX_LEN, policy="adaptive" if drafter else "fixed")
+        return build_engine(target, tok, cfg, None, policy)
+
+    policies = {}
+    for name, cls in (("priced", AdaptiveDraftLength), ("unpriced", Unpriced)):
+        policy = None
+        for c in before:  # the policy's history, as in the sweep
+            eng = engine(c, "ngram", policy)
+            if policy is None:
+                eng.policy.__class__ = cls  # the engine built it; same state, this rule
+            policy = eng.policy
+            run_batch(eng, sweep_requests(prompts, c, pool), 64)
+        policies[name] = policy
+    engines = {"plain": engine(n, None), "priced": engine(n, "ngram", policies["priced"]),
+               "unpriced": engine(n, "ngram", policies["unpriced"])}
+    assert type(engines["unpriced"].policy) is Unpriced and type(engines["priced"].policy) is AdaptiveDraftLength
+    results: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(rounds):
+        names = list(engines)
+        for name in names[r % 3:] + names[: r % 3]:
+            eng = engines[name]
+            run_batch(eng, reqs[:n], 4)  # warm-up
+            seconds, rows, stats = run_batch(eng, reqs, 64)
+            results[name].append(busy_throughput(rows, n, measured))
+            print(f"r{r + 1} {name}: busy {results[name][-1]:.1f} tok/s, drain "
+                  f"{sum(x['tokens'] for x in rows) / seconds:.1f}, tau {stats.tau:.2f}", flush=True)
+    plain = statistics.median(results["plain"])
+    for name, v in results.items():
+        print(name, f"median {statistics.median(v):.1f}", [round(x) for x in v], f"/ plain {statistics.median(v) / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()
