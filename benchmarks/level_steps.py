@@ -21,7 +21,6 @@ keep_freed_memory()
 import statistics  # noqa: E402
 import sys  # noqa: E402
 
-import sitecustomize as trace  # noqa: E402  (benchmarks/step_trace on PYTHONPATH)
 import torch  # noqa: E402
 
 from verispec import prompts as P  # noqa: E402
@@ -69,9 +68,9 @@ def report(name: str, recs: list[dict], n: int, line: str) -> None:
                       f" | none {rate([r for r in sel if not r.get('admitted')])}", flush=True)
 
 
-def main() -> None:
-    n, rounds = int(sys.argv[1]), int(sys.argv[2])
-    before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
+def level_setup(n: int, before: list[int]):
+    """The sweep's requests at level n (pool and context as `run_adaptive.sh`'s), how many are
+    measured, and a function that builds an engine at c streams (drafter None: plain decoding)."""
     torch.set_num_threads(2)
     tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
     prompts = P.load(["mtbench", "humaneval"], 2)
@@ -79,17 +78,26 @@ def main() -> None:
         p.ids = P.render(p, tok, target.config.model_type)
     pool = sweep_pool(prompts, ["mtbench", "humaneval"], 2 * max([n, *before]) + measured_requests(len(prompts), n) + len(prompts),
                       tok, target.config.model_type, MAX_PROMPT)
-    reqs, measured = sweep_requests(prompts, n, pool), measured_requests(len(prompts), n)
 
     def engine(c: int, drafter: str | None, policy=None):
         cfg = engine_config("gemma3-270m", drafter, 7, "bfloat16", False, c, MAX_LEN, policy="adaptive" if drafter else "fixed")
         return build_engine(target, tok, cfg, None, policy)
 
+    return (sweep_requests(prompts, n, pool), measured_requests(len(prompts), n),
+            lambda c: sweep_requests(prompts, c, pool), engine)
+
+
+def main() -> None:
+    import sitecustomize as trace  # benchmarks/step_trace on PYTHONPATH
+
+    n, rounds = int(sys.argv[1]), int(sys.argv[2])
+    before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
+    reqs, measured, level_requests, engine = level_setup(n, before)
     policy = None
     for c in before:  # the adaptive policy's history, as in the sweep
         eng = engine(c, "ngram", policy)
         policy = eng.policy
-        run_batch(eng, sweep_requests(prompts, c, pool), 64)
+        run_batch(eng, level_requests(c), 64)
     engines = {"plain": engine(n, None), "adaptive": engine(n, "ngram", policy)}
     for r in range(rounds):
         for name in (["plain", "adaptive"] if r % 2 == 0 else ["adaptive", "plain"]):

@@ -20,15 +20,9 @@ keep_freed_memory()
 import statistics  # noqa: E402
 import sys  # noqa: E402
 
-import torch  # noqa: E402
-
-from verispec import prompts as P  # noqa: E402
+from level_steps import level_setup  # noqa: E402
 from verispec.adaptive.policy import AdaptiveDraftLength  # noqa: E402
-from verispec.bench.cli import sweep_pool  # noqa: E402
-from verispec.bench.runner import build_engine, busy_throughput, engine_config, measured_requests, run_batch, sweep_requests  # noqa: E402
-from verispec.models import load_model, load_tokenizer  # noqa: E402
-
-MAX_PROMPT, MAX_LEN = 140, 204  # the sweep's (run_adaptive.sh)
+from verispec.bench.runner import busy_throughput, run_batch  # noqa: E402
 
 
 class Unpriced(AdaptiveDraftLength):
@@ -50,18 +44,7 @@ class Unpriced(AdaptiveDraftLength):
 def main() -> None:
     n, rounds = int(sys.argv[1]), int(sys.argv[2])
     before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
-    torch.set_num_threads(2)
-    tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
-    prompts = P.load(["mtbench", "humaneval"], 2)
-    for p in prompts:
-        p.ids = P.render(p, tok, target.config.model_type)
-    pool = sweep_pool(prompts, ["mtbench", "humaneval"], 2 * max([n, *before]) + measured_requests(len(prompts), n) + len(prompts),
-                      tok, target.config.model_type, MAX_PROMPT)
-    reqs, measured = sweep_requests(prompts, n, pool), measured_requests(len(prompts), n)
-
-    def engine(c: int, drafter: str | None, policy=None):
-        cfg = engine_config("gemma3-270m", drafter, 7, "bfloat16", False, c, MAX_LEN, policy="adaptive" if drafter else "fixed")
-        return build_engine(target, tok, cfg, None, policy)
+    reqs, measured, level_requests, engine = level_setup(n, before)
 
     policies = {}
     for name, cls in (("priced", AdaptiveDraftLength), ("unpriced", Unpriced)):
@@ -71,7 +54,7 @@ def main() -> None:
             if policy is None:
                 eng.policy.__class__ = cls  # the engine built it; same state, this rule
             policy = eng.policy
-            run_batch(eng, sweep_requests(prompts, c, pool), 64)
+            run_batch(eng, level_requests(c), 64)
         policies[name] = policy
     engines = {"plain": engine(n, None), "priced": engine(n, "ngram", policies["priced"]),
                "unpriced": engine(n, "ngram", policies["unpriced"])}
