@@ -443,3 +443,37 @@ def test_gemma3_attn_logit_softcapping_follows_transformers():
     ours = ours_from_hf(hf)
     ids = random_ids(12, hf.config.vocab_size, seed=93)
     _close(ours(ids, ours.new_cache(1, 16), [0], torch.tensor([0])).logits, hf_logits(hf, ids))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("weights", ["dense", "prepacked", "int8"])
+def test_greedy_tokens_are_the_argmax_of_the_fp32_logits(family, weights):
+    """`greedy_tokens` takes the argmax of the head's output in its own dtype (bf16) instead of
+    fp32 logits: the same token for every row count, ties to the smaller token included (head rows
+    duplicated so that their logits are equal)."""
+    from verispec.models.prepack import can_prepack, prepack_model
+    from verispec.models.quant import quantize_model
+    from verispec.sampling import argmax
+
+    if weights == "prepacked" and not can_prepack(torch.bfloat16, "cpu"):
+        pytest.skip("no prepacked bf16 weights on this CPU")
+    model = ours_from_hf(build_hf(family)).to(torch.bfloat16).fuse()
+    w = model.head_weight()
+    with torch.no_grad():
+        for a, b in ((5, 90), (17, 18), (30, 100)):
+            w[b] = w[a]
+    model = {"dense": lambda m: m, "prepacked": prepack_model, "int8": lambda m: quantize_model(m, "int8")}[weights](model)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(70, model.config.hidden_size, generator=g).bfloat16()
+    h[:3] = w[[90, 18, 100]].to(h.dtype) * 40  # rows whose largest logits are the duplicated pairs
+    for M in (1, 2, 9, 64, 70):
+        want = argmax(model.lm_logits(h[:M]))
+        assert torch.equal(model.greedy_tokens(h[:M]), want), M
+    assert argmax(model.lm_logits(h[:3])).tolist() == [5, 17, 30]
+
+
+def test_greedy_tokens_decline_where_the_logits_are_capped():
+    """tanh capping can round distinct logits to one value: no argmax of the uncapped output."""
+    model = ours_from_hf(build_hf("gemma3")).to(torch.bfloat16).fuse()
+    assert model.config.final_logit_softcap is not None
+    assert model.greedy_tokens(torch.ones(2, model.config.hidden_size, dtype=torch.bfloat16)) is None

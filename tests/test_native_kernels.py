@@ -430,5 +430,10 @@ def test_native_argmax_is_torchs():
     for r in rows:
         for batch in (r[None], torch.stack([r, r.flip(0), -r])):
             assert torch.equal(kernels.run_argmax(kernels.argmax_f32(), batch), batch.argmax(-1)), batch
+            # bf16 rows: the argmax of their exact fp32 widening (rounding to bf16 adds ties)
+            half = batch.to(torch.bfloat16)
+            assert torch.equal(kernels.run_argmax(kernels.argmax_bf16(), half), half.float().argmax(-1)), half
     wide = torch.randn(5, 300, generator=g)
     assert torch.equal(kernels.run_argmax(kernels.argmax_f32(), wide[:, 10:250]), wide[:, 10:250].argmax(-1))
+    half = wide.to(torch.bfloat16)
+    assert torch.equal(kernels.run_argmax(kernels.argmax_bf16(), half[:, 10:250]), half[:, 10:250].float().argmax(-1))

@@ -387,8 +387,9 @@ class Engine:
     def _head(self, h: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor | None, list[int] | None]:
         """The LM head over rows h [R, H] of the requests `seqs`: (fp32 logits [R, V], each row's
         argmax if a request is greedy), or (None, the argmax tokens) where every request is greedy
-        without logprobs (so nothing else reads the logits) and the model's greedy head takes R
-        rows: the same tokens from a fraction of the head's bytes (models/greedy_head.py)."""
+        without logprobs, so nothing else reads the logits: the model's greedy tokens, the same
+        ones without fp32 logits (`CausalLM.greedy_tokens`: for a few rows the greedy head reads
+        a fraction of the head's bytes, models/greedy_head.py)."""
         if all(s.params.greedy and s.params.logprobs is None for s in seqs):
             best = self.model.greedy_tokens(h)
             if best is not None:

@@ -51,10 +51,10 @@ def _is_int(x) -> bool:
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1): the first largest entry of each row, a NaN counted largest. fp32
-    rows [N, V] on a CPU take kernels/argmax.c (torch's CPU argmax is a scalar loop: 0.34 ms for
-    one of Gemma's 262,144-entry rows, 3% of an int8 decode step), with the same answers."""
-    if logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu":
-        fn = kernels.argmax_f32()
+    or bf16 rows [N, V] on a CPU take kernels/argmax.c (torch's CPU argmax is a scalar loop: 0.34
+    ms for one of Gemma's 262,144-entry rows, 3% of an int8 decode step), with the same answers."""
+    if logits.dim() == 2 and logits.device.type == "cpu":
+        fn = {torch.float32: kernels.argmax_f32, torch.bfloat16: kernels.argmax_bf16}.get(logits.dtype, lambda: None)()
         if fn is not None:
             return kernels.run_argmax(fn, logits)
     return logits.argmax(-1)

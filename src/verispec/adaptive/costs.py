@@ -143,9 +143,9 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
     rows of ceil(n / rows) tokens (what a decode step looks like; the profile records the tokens
     that forward really carries) at a synthetic context of CONTEXT rows, in the numerics the engine
     decodes with (batch-invariant kernels for bf16/fp16: their cost differs), and the LM head alone
-    over as many rows (the engine gives it a step's real rows only; where the model's greedy head
-    takes that many rows, that head on inputs shaped like real states, as greedy steps run it:
-    sampled steps then cost a little more than priced). The repeats go round
+    over as many rows (the engine gives it a step's real rows only) as greedy steps run it: the
+    model's greedy tokens, on inputs shaped like real states where its greedy head takes that
+    many rows (sampled steps, which need fp32 logits, then cost a little more than priced). The repeats go round
     the whole grid, so a burst of other work on the machine lands on one repeat of every point,
     where the median drops it, instead of on every repeat of a few points (which bent the curve)."""
     from ..kv import KV_BLOCK, round_up
@@ -170,7 +170,7 @@ def measure(model, max_tokens: int, max_batch: int, repeats: int = REPEATS, prog
 
     def head(n: int) -> float:  # the LM head over n rows, as the engine runs it on a greedy step's real rows
         t0 = time.perf_counter()
-        if typical is None or model.greedy_tokens(typical[:n]) is None:
+        if model.greedy_tokens((hidden if typical is None else typical)[:n]) is None:
             model.lm_logits(hidden[:n])
         if model.device.type == "cuda":
             torch.cuda.synchronize()

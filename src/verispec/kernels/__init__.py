@@ -10,7 +10,8 @@
   `grouped_attention`, at inference): batch-invariant by construction on any CPU;
 - `layer.c`: a decoder layer on packed weights in two calls around the attention
   (models/native_layer.py), from the kernels above, and its activation times the up projection;
-- `argmax.c`: each row's argmax of fp32 logits, torch's definition (greedy verification);
+- `argmax.c`: each row's argmax of fp32 or bf16 logits, torch's definition (greedy decoding and
+  verification);
 - `amx.c`: whether Linux lends the process AMX's tile state, and the tile layout `bf16_gemm.c` uses.
 The sources are compiled together with `-march=native` on first use into the verispec cache
 (`$VERISPEC_CACHE/kernels`, the file named by a hash of the sources, the compiler and the CPU's
@@ -82,6 +83,12 @@ def argmax_f32():
     """The compiled `verispec_argmax_f32` (argmax.c), or None (see `why_not`)."""
     return _function("verispec_argmax_f32", [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                                              ctypes.c_void_p, ctypes.c_int])
+
+
+def argmax_bf16():
+    """The compiled `verispec_argmax_bf16` (argmax.c), or None (see `why_not`)."""
+    return _function("verispec_argmax_bf16", [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                              ctypes.c_void_p, ctypes.c_int])
 
 
 def act_mul():
@@ -361,8 +368,9 @@ def run_rope(fn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def run_argmax(fn, x: torch.Tensor) -> torch.Tensor:
-    """The first index of each row's largest value, x [R, V] fp32 (rows dense) -> [R] int64, as
-    torch.argmax(x, -1) gives it, NaN counted largest (argmax.c)."""
+    """The first index of each row's largest value, x [R, V] (fp32 for `argmax_f32`, bf16 for
+    `argmax_bf16`; rows dense) -> [R] int64, as torch.argmax(x, -1) gives it, NaN counted largest
+    (argmax.c)."""
     R, V = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -26,6 +26,7 @@ from .config import ModelConfig
 from .paths import PathViews
 from .layers import KV, DecoderLayer, RMSNorm, linear, rope_cos_sin
 from ..kv import KVCache
+from ..sampling import argmax
 
 __all__ = ["CausalLM", "ForwardOutput", "linear"]  # linear: re-exported from layers
 
@@ -136,12 +137,19 @@ class CausalLM(nn.Module):
 
     def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor | None:
         """h: [M, H] after the final norm -> the argmax of each row's `lm_logits` [M] (the same
-        tokens, ties included), where the greedy head reads less than the full head for M rows;
-        else None: take `lm_logits`."""
-        g = self.greedy_head
-        if g is None or h.shape[0] > g.max_rows or self.config.final_logit_softcap is not None:
+        tokens, ties included) without fp32 logits: the greedy head where it reads less than the
+        full head for M rows, else the argmax of the full head's output in its own dtype (widening
+        bf16 to fp32 is exact, so the first largest entry is the same; at 64 rows the fp32 copy
+        is 64 MB written and read again). None where the model caps its logits (tanh can round
+        distinct logits to one value and move the first largest): take `lm_logits`."""
+        if self.config.final_logit_softcap is not None:
             return None
-        return g.tokens(h)
+        g = self.greedy_head
+        if g is not None and h.shape[0] <= g.max_rows:
+            best = g.tokens(h)
+            if best is not None:
+                return best
+        return argmax(linear(h, self.packed_head or self.head_weight(), None, self.invariant))
 
     def _cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables per layer kind, built once per device/dtype, indexed by positions [B, T]."""
