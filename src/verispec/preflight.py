@@ -15,6 +15,25 @@ from .errors import UserError
 DEFAULT_MAX_MODEL_LEN = 2048  # KV rows per request when --max-model-len is not given (or the context, if shorter)
 
 
+def device(name: str) -> str:
+    """The torch device a command runs on (cpu or cuda[:N]), refused before anything loads where this
+    machine has none such (torch's own error comes from deep inside the first allocation)."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: this PyTorch ({torch.__version__}) sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise UserError(f"--device {name}: verispec runs on cpu or cuda")
+    return name
+
+
 def model_config(model: str, dtype: str):
     """The model's `ModelConfig`, after refusing a dtype it cannot run in."""
     from .engine import DTYPES

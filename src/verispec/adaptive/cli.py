@@ -26,6 +26,7 @@ def cmd_profile(args) -> int:
     from . import costs
 
     threads = setup_threads(args.threads)
+    preflight.device(args.device)
     preflight.model_config(args.model, args.dtype)
     try:
         model = load_model(args.model, DTYPES[args.dtype], args.device, args.quant)

@@ -33,7 +33,7 @@ def _names(s: str) -> list[str]:
 def add_parser(sub) -> None:
     from ..options import engine_options
 
-    opts = engine_options(drafter=False, device=False, exact=False, quant=False,
+    opts = engine_options(drafter=False, exact=False, quant=False,
                           max_model_len_help="KV rows per sequence (default: longest prompt + max tokens + 8)")
     b = sub.add_parser("bench", parents=[opts], help="benchmark drafters against plain decoding and peers on standard prompt sets",
                        description="Runs plain decoding and every drafter on the same prompts (interleaved per "
@@ -133,6 +133,9 @@ def _check(args) -> None:
         if name not in ("hf", "hf-pld", "hf-assist", "llama.cpp", "llama.cpp-pld", "vllm", "vllm-ngram", "vllm-eagle3"):
             raise UserError(f"unknown peer {p!r}; use hf, hf-pld[:K], hf-assist:PATH, llama.cpp, llama.cpp-pld[:K], "
                             f"vllm, vllm-ngram[:K], vllm-eagle3[:DIR] or none")
+        if args.device != "cpu" and not name.startswith("hf"):
+            raise UserError(f"peer {p!r} runs on the CPU (its CPU build); on --device {args.device} the peers are "
+                            f"transformers': hf, hf-pld[:K], hf-assist:PATH")
 
 
 def cmd_bench(args) -> int:
@@ -149,6 +152,7 @@ def cmd_bench(args) -> int:
     from .runner import measured_requests, run_interleaved, run_sweep, verispec_methods
 
     _check(args)
+    preflight.device(args.device)
     setup_threads(args.threads)
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
     load_at_start = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
@@ -160,7 +164,7 @@ def cmd_bench(args) -> int:
     try:
         prompts = P.load(args.datasets, args.limit, args.mtbench_turns, args.sharegpt_n, args.seed, args.spread)
         log(f"{len(prompts)} prompts; loading {args.model} ({args.dtype})")
-        targets = {q: load_model(args.model, DTYPES[args.dtype], quant=q) for q in args.quant}
+        targets = {q: load_model(args.model, DTYPES[args.dtype], args.device, quant=q) for q in args.quant}
         target = targets[args.quant[0]]
         if args.quant[0] != "none":
             notes.append(f"the load sweep and the sampled-output check run on the {args.quant[0]} target.")
@@ -223,7 +227,7 @@ def cmd_bench(args) -> int:
                 raise UserError("--sweep-via server always generates --max-tokens tokens (drop --stop-at-eos)")
             sweep += run_server_sweep(args.model, sweep_drafters, args.num_draft_tokens, args.dtype, args.concurrency,
                                       prompts, args.max_tokens, max_len, args.sweep_rounds, args.threads, progress=log,
-                                      quant=args.quant[0], pool=pool)
+                                      quant=args.quant[0], pool=pool, device=args.device)
     config = {
         "model": args.model, "model_type": model_type, "hf_folder": str(hf_folder(args.model)), "dtype": args.dtype,
         "quant": args.quant,
@@ -232,7 +236,7 @@ def cmd_bench(args) -> int:
         "num_draft_tokens": args.num_draft_tokens, "modes": args.modes,
         "exact_drafters": args.exact_drafters, "rounds": args.rounds, "peers": args.peers,
         "concurrency": args.concurrency, "sweep_via": args.sweep_via, "sweep_rounds": args.sweep_rounds,
-        "max_model_len": max_len, "threads": torch.get_num_threads(),
+        "max_model_len": max_len, "threads": torch.get_num_threads(), "device": args.device,
         "greedy": not args.temperature, "temperature": args.temperature, "load_average_at_start": load_at_start, "sample_check": args.sample_check,
         "sample_n": args.sample_n,
     }
@@ -266,8 +270,8 @@ def _peers(args, max_len: int, ignore_eos: bool, notes: list[str], log) -> list:
             assists.append(k)
     if "hf" in args.peers or ks["hf-pld"] or assists:
         log("loading the transformers model")
-        drafts = {a: peers.load_hf(a, args.dtype) for a in assists}
-        out += peers.hf_methods(peers.load_hf(args.model, args.dtype), ks["hf-pld"], args.dtype, ignore_eos, drafts,
+        drafts = {a: peers.load_hf(a, args.dtype, args.device) for a in assists}
+        out += peers.hf_methods(peers.load_hf(args.model, args.dtype, args.device), ks["hf-pld"], args.dtype, ignore_eos, drafts,
                                 args.num_draft_tokens)
     if "llama.cpp" in args.peers or ks["llama.cpp-pld"]:
         path = resolve_model_path(args.model)
@@ -301,7 +305,8 @@ def _fill_second_turns(prompts, target, tok, model_type, args, longest: int) -> 
     from .runner import engine_config
 
     first = {p.id: p for p in prompts if not p.needs_history}
-    eng = Engine(target, tok, engine_config(args.model, None, 0, args.dtype, False, 8, longest + args.max_tokens + 8))
+    eng = Engine(target, tok, engine_config(args.model, None, 0, args.dtype, False, 8, longest + args.max_tokens + 8,
+                                            str(target.device)))
     todo = [p for p in prompts if p.needs_history]
     seqs = [eng.add_request(first[p.id.split("#")[0]].ids, SamplingParams(max_tokens=args.max_tokens)) for p in todo]
     while eng.has_work:

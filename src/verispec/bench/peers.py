@@ -51,6 +51,8 @@ def hf_runner(model, pld: int | None = None, ignore_eos: bool = True, assistant=
         forwards[0] = 0
         t0 = time.perf_counter()
         out = model.generate(x, streamer=streamer, **kw)
+        if x.device.type == "cuda":  # the last kernels finish before the clock stops
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         new = out[0, len(ids):].tolist()
         ttft = (streamer.t - t0) if streamer.t is not None else seconds
@@ -59,13 +61,13 @@ def hf_runner(model, pld: int | None = None, ignore_eos: bool = True, assistant=
     return run
 
 
-def load_hf(model: str, dtype: str):
+def load_hf(model: str, dtype: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     from ..engine import DTYPES
     from ..models import hf_folder
 
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_folder(model)), dtype=DTYPES[dtype])
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_folder(model)), dtype=DTYPES[dtype]).to(device)
     hf.generation_config.pad_token_id = hf.generation_config.pad_token_id or 0
     return hf.eval()
 

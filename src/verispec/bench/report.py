@@ -37,7 +37,8 @@ def environment() -> dict:
         "machine": {"platform": platform.platform(), "cpu": cpu, "logical_cpus": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(), "memory_gib": round(mem, 1) if mem else None,
                     "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-                    "cuda": torch.cuda.is_available()},
+                    "cuda": torch.cuda.is_available(),
+                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
     }
 
 

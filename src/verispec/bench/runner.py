@@ -118,7 +118,7 @@ def verispec_methods(target, tokenizer, model: str, drafters: list[str], k: int,
             if exact and spec is not None and exact_drafters is not None and spec not in exact_drafters:
                 continue
             drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
-            cfg = engine_config(model, drafter, kk, dtype, exact, 1, max_model_len, tree=tree, policy=policy)
+            cfg = engine_config(model, drafter, kk, dtype, exact, 1, max_model_len, str(target.device), tree, policy)
             factory = (factories or {}).get(drafter)
             eng = build_engine(target, tokenizer, cfg, factory)
             name = f"{spec}{tag}" if spec else plain
@@ -291,7 +291,7 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
             j = (r + concurrency.index(c)) % len(drafters)
             for spec in drafters[j:] + drafters[:j]:
                 drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
-                cfg = engine_config(model, drafter, kk, dtype, exact, c, max_model_len, tree=tree, policy=policy)
+                cfg = engine_config(model, drafter, kk, dtype, exact, c, max_model_len, str(target.device), tree, policy)
                 eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter), policies.get(spec))
                 if spec:
                     policies[spec] = eng.policy

@@ -57,7 +57,7 @@ def run_sampled_check(target, tokenizer, model: str, drafters: list[str], k: int
     for spec in [None, *drafters]:
         drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
         cfg = dataclasses.replace(engine_config(model, drafter, kk, dtype, False, min(n, MAX_BATCH), max_model_len,
-                                                tree=tree, policy=policy),
+                                                str(target.device), tree, policy),
                                   prefill_chunk=4096)
         eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter))
         for p, exact in chosen:

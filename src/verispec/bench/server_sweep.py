@@ -80,7 +80,7 @@ def _counters(url: str) -> dict[str, float]:
 def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str, concurrency: list[int],
                      prompts: list[Prompt], max_tokens: int, max_model_len: int, rounds: int = 1,
                      threads: int | None = None, progress: Callable[[str], None] | None = None,
-                     quant: str = "none", pool: list[Prompt] | None = None) -> list[dict]:
+                     quant: str = "none", pool: list[Prompt] | None = None, device: str = "cpu") -> list[dict]:
     """Sweep points (the in-process sweep's dict shape, `"via": "server"`), medians over rounds."""
     names = {spec: f"{spec or 'plain'} (server)" for spec in drafters}
     servers, waits = {}, {}
@@ -89,7 +89,7 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
             drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else ("none", "chain", 0, "fixed")
             args = ["--model", model, "--drafter", drafter, "-k", str(kk), "--tree", tree, "--draft-policy", policy,
                     "--dtype", dtype, "--quant", quant, "--max-batch-size", str(max(concurrency)), "--max-model-len", str(max_model_len),
-                    "--prefill-chunk", "256"]
+                    "--prefill-chunk", "256", "--device", device]
             # one at a time: each server reads the machine's load when it starts (threads.py) and
             # must find the others idle, or the methods would run with different OpenMP waits
             servers[spec] = ServerProcess(*args, threads=threads).wait_ready()

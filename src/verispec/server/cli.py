@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.drain_timeout < 0:
         raise UserError("--drain-timeout must be >= 0")
     setup_threads(args.threads)
+    preflight.device(args.device)
     cfg = preflight.model_config(args.model, args.dtype)
     max_len = preflight.max_model_len(args.max_model_len, cfg, args.model)
     if hint := preflight.precision_hint(args.dtype, args.quant, args.device):
