@@ -410,6 +410,39 @@ def test_cost_profile_is_monotone_cached_and_extended(tmp_path, monkeypatch):
         CostProfile.from_dict({"format": "x"})
 
 
+def test_a_carried_policy_reaches_the_forwards_of_its_new_engine(tmp_path, monkeypatch):
+    """A load sweep hands one adaptive policy from engine to engine up the levels: its cost profile
+    must reach each engine's largest forward (every request's root and k nodes, and a prompt chunk
+    riding along), not stay the 64 tokens it was measured to at one stream; the step times it has
+    seen stay, a smaller engine measures nothing, and a caller's own profile is never replaced."""
+    from verispec.engine import profile_tokens
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    target = ours_from_hf(build_hf("llama", seed=0))
+    calls = []
+    real = C.measure
+    monkeypatch.setattr(C, "measure", lambda model, n, b, **kw: calls.append(n) or real(model, n, b, repeats=1))
+
+    def engine(max_batch, policy=None):
+        cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4, dtype="float32", max_batch_size=max_batch,
+                           max_model_len=64)
+        return Engine(target, None, cfg, NgramDrafter(), policy=policy)
+
+    assert [profile_tokens(engine(b).config) for b in (1, 2, 8)] == [8, 512, 512]
+    assert profile_tokens(dataclasses.replace(engine(1).config, max_batch_size=64, num_draft_tokens=7)) == 1024
+    policy = engine(1).policy
+    assert policy.step_cost.profile.tokens[-1] == 64 and calls == [64]  # at least 64 tokens (load_or_measure)
+    policy.step_cost.record(10, 0.5)
+    engine(8, policy)
+    assert policy.step_cost.profile.tokens[-1] == 512 and calls == [64, 512]
+    assert 10 in policy.step_cost.seen  # the times seen stay
+    engine(2, policy)  # reaches no further: nothing measured, the same profile
+    assert policy.step_cost.profile.tokens[-1] == 512 and calls == [64, 512]
+    given = AdaptiveDraftLength(CostProfile([1, 64], [1.0, 64.0]))
+    engine(8, given)
+    assert given.profile.tokens == [1, 64] and calls == [64, 512]
+
+
 def test_cost_profile_interpolates_and_forces_monotone():
     p = CostProfile.from_dict({"format": C.FORMAT, "tokens": [1, 3, 5], "seconds": [1.0, 0.5, 2.0]})
     assert p.seconds == [1.0, 1.0, 2.0]

@@ -126,6 +126,8 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.drafter = drafter
         self.policy = policy or make_policy(config, model, drafter)
+        if policy is not None and hasattr(policy, "reach"):  # carried from another engine, maybe a smaller one
+            policy.reach(profile_tokens(config), profile_loader(config, model))
         self.tree = TreeShape.parse(config.draft_tree)
         # chains verify packed, one entry per node, where attention reads the cache in place (CPU)
         self.packs_chains = model.device.type == "cpu"
@@ -480,13 +482,29 @@ def make_policy(config: EngineConfig, model: CausalLM, drafter: Drafter | None) 
     profile on first use (cached per machine and model: adaptive/costs.py)."""
     if config.draft_policy == "fixed" or drafter is None or config.num_draft_tokens == 0:
         return FixedDraftLength()
-    from .adaptive.costs import load_or_measure
     from .adaptive.policy import AdaptiveDraftLength
 
-    max_tokens = min(1024, config.max_batch_size * (config.num_draft_tokens + 1))
     planner = "topb" if config.draft_policy == "adaptive-topb" else "greedy"
-    return AdaptiveDraftLength(lambda: load_or_measure(model, max_tokens, config.max_batch_size), planner,
-                               max_depth=max(1, config.num_draft_tokens))
+    return AdaptiveDraftLength(profile_loader(config, model), planner, max_depth=max(1, config.num_draft_tokens))
+
+
+def profile_tokens(config: EngineConfig) -> int:
+    """How far the adaptive policy's cost profile must reach: the largest forward this engine runs,
+    every request's root and k draft nodes, plus a prompt chunk riding along where several requests
+    run (a lone request's prompt is prefilled before it decodes), rounded up to a power of two (so
+    that a policy carried up a load sweep measures a longer profile twice, not at every level),
+    at most 1024 (past its last point a profile is extrapolated along its last segment)."""
+    c = config
+    need = c.max_batch_size * (c.num_draft_tokens + 1) + (c.prefill_chunk if c.max_batch_size > 1 else 0)
+    return min(1024, 1 << max(0, need - 1).bit_length())
+
+
+def profile_loader(config: EngineConfig, model: CausalLM):
+    """The engine's cost profile, loaded (or measured, once per machine and model) on first use."""
+    from .adaptive.costs import load_or_measure
+
+    max_tokens = profile_tokens(config)
+    return lambda: load_or_measure(model, max_tokens, config.max_batch_size)
 
 
 class LLM:

@@ -77,6 +77,7 @@ class AdaptiveDraftLength:
         if planner not in PLANNERS:
             raise ValueError(f"unknown planner {planner!r}; choose from {', '.join(PLANNERS)}")
         self._profile = profile  # a CostProfile, or a function that measures or loads one on first use
+        self._given = isinstance(profile, CostProfile)  # a caller's own profile stays (`reach`)
         self.planner = planner
         self.estimator = AcceptanceEstimator(max_depth, refit_every)
         self.draft_cost = DraftCost()
@@ -107,7 +108,23 @@ class AdaptiveDraftLength:
     def step_cost(self) -> StepCost:
         if self._step_cost is None:
             self._step_cost = StepCost(self.profile)
+        elif self._step_cost.profile is not self.profile:  # `reach` replaced it: the step times seen stay
+            self._step_cost.profile = self.profile
         return self._step_cost
+
+    def reach(self, max_tokens: int, load: Callable[[], CostProfile]) -> None:
+        """Carried to an engine whose forwards reach max_tokens tokens (a load sweep builds one per
+        level and hands the policy on, as a server's policy lives through the load): a profile that
+        stops short of them gives way to `load`'s (measured once where no cached one reaches that far).
+
+        Past its last point a profile is extrapolated along its last segment. A policy born at one
+        stream kept its 64-token profile up to 64 streams, whose forwards of 100-700 tokens (prompt
+        chunks riding along) cost more per token than the segment from 48 to 64 said, and so plans
+        there were priced too cheap."""
+        if self._given:
+            return
+        if not isinstance(self._profile, CostProfile) or self._profile.tokens[-1] < max_tokens:
+            self._profile = load  # (a factory not yet called is replaced by the engine's own)
 
     def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
         """How many nodes each request may draft: its own k when drafting is cheap (under
