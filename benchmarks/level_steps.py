@@ -87,6 +87,39 @@ def level_setup(n: int, before: list[int]):
             lambda c: sweep_requests(prompts, c, pool), engine)
 
 
+def ab_level(n: int, rounds: int, before: list[int], variants: dict) -> None:
+    """Plain decoding against adaptive policies of the given classes (name -> class) at level n,
+    each policy having lived through the `before` levels first, as in the sweep; `rounds` rounds,
+    the methods' order rotated; busy throughput as the sweep measures it, each method's median
+    and its ratio to plain's."""
+    reqs, measured, level_requests, engine = level_setup(n, before)
+    policies = {}
+    for name, cls in variants.items():
+        policy = None
+        for c in before:  # the policy's history, as in the sweep
+            eng = engine(c, "ngram", policy)
+            if policy is None:
+                eng.policy.__class__ = cls  # the engine built it; same state, this variant
+            policy = eng.policy
+            run_batch(eng, level_requests(c), 64)
+        policies[name] = policy
+    engines = {"plain": engine(n, None), **{name: engine(n, "ngram", p) for name, p in policies.items()}}
+    assert all(type(engines[name].policy) is cls for name, cls in variants.items())
+    results: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(rounds):
+        names = list(engines)
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            eng = engines[name]
+            run_batch(eng, reqs[:n], 4)  # warm-up
+            seconds, rows, stats = run_batch(eng, reqs, 64)
+            results[name].append(busy_throughput(rows, n, measured))
+            print(f"r{r + 1} {name}: busy {results[name][-1]:.1f} tok/s, drain "
+                  f"{sum(x['tokens'] for x in rows) / seconds:.1f}, tau {stats.tau:.2f}", flush=True)
+    plain = statistics.median(results["plain"])
+    for name, v in results.items():
+        print(name, f"median {statistics.median(v):.1f}", [round(x) for x in v], f"/ plain {statistics.median(v) / plain:.3f}")
+
+
 def main() -> None:
     import sitecustomize as trace  # benchmarks/step_trace on PYTHONPATH
 

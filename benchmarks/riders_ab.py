@@ -17,12 +17,10 @@ from verispec.memory import keep_freed_memory
 
 keep_freed_memory()
 
-import statistics  # noqa: E402
 import sys  # noqa: E402
 
-from level_steps import level_setup  # noqa: E402
+from level_steps import ab_level  # noqa: E402
 from verispec.adaptive.policy import AdaptiveDraftLength  # noqa: E402
-from verispec.bench.runner import busy_throughput, run_batch  # noqa: E402
 
 
 class Unpriced(AdaptiveDraftLength):
@@ -44,34 +42,7 @@ class Unpriced(AdaptiveDraftLength):
 def main() -> None:
     n, rounds = int(sys.argv[1]), int(sys.argv[2])
     before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
-    reqs, measured, level_requests, engine = level_setup(n, before)
-
-    policies = {}
-    for name, cls in (("priced", AdaptiveDraftLength), ("unpriced", Unpriced)):
-        policy = None
-        for c in before:  # the policy's history, as in the sweep
-            eng = engine(c, "ngram", policy)
-            if policy is None:
-                eng.policy.__class__ = cls  # the engine built it; same state, this rule
-            policy = eng.policy
-            run_batch(eng, level_requests(c), 64)
-        policies[name] = policy
-    engines = {"plain": engine(n, None), "priced": engine(n, "ngram", policies["priced"]),
-               "unpriced": engine(n, "ngram", policies["unpriced"])}
-    assert type(engines["unpriced"].policy) is Unpriced and type(engines["priced"].policy) is AdaptiveDraftLength
-    results: dict[str, list[float]] = {k: [] for k in engines}
-    for r in range(rounds):
-        names = list(engines)
-        for name in names[r % 3:] + names[: r % 3]:
-            eng = engines[name]
-            run_batch(eng, reqs[:n], 4)  # warm-up
-            seconds, rows, stats = run_batch(eng, reqs, 64)
-            results[name].append(busy_throughput(rows, n, measured))
-            print(f"r{r + 1} {name}: busy {results[name][-1]:.1f} tok/s, drain "
-                  f"{sum(x['tokens'] for x in rows) / seconds:.1f}, tau {stats.tau:.2f}", flush=True)
-    plain = statistics.median(results["plain"])
-    for name, v in results.items():
-        print(name, f"median {statistics.median(v):.1f}", [round(x) for x in v], f"/ plain {statistics.median(v) / plain:.3f}")
+    ab_level(n, rounds, before, {"priced": AdaptiveDraftLength, "unpriced": Unpriced})
 
 
 if __name__ == "__main__":
