@@ -102,6 +102,9 @@ def ab_level(n: int, rounds: int, before: list[int], variants: dict) -> None:
                 eng.policy.__class__ = cls  # the engine built it; same state, this variant
             policy = eng.policy
             run_batch(eng, level_requests(c), 64)
+        if policy is None:  # no levels before: a fresh policy of this variant
+            policy = engine(n, "ngram").policy
+            policy.__class__ = cls
         policies[name] = policy
     engines = {"plain": engine(n, None), **{name: engine(n, "ngram", p) for name, p in policies.items()}}
     assert all(type(engines[name].policy) is cls for name, cls in variants.items())
@@ -118,6 +121,12 @@ def ab_level(n: int, rounds: int, before: list[int], variants: dict) -> None:
     plain = statistics.median(results["plain"])
     for name, v in results.items():
         print(name, f"median {statistics.median(v):.1f}", [round(x) for x in v], f"/ plain {statistics.median(v) / plain:.3f}")
+
+
+def ab_main(variants: dict) -> None:
+    """`ab_level` from the command line: LEVEL ROUNDS [LEVELS,SEEN,BEFORE]."""
+    before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
+    ab_level(int(sys.argv[1]), int(sys.argv[2]), before, variants)
 
 
 def main() -> None:

@@ -12,9 +12,7 @@ from verispec.memory import keep_freed_memory
 
 keep_freed_memory()
 
-import sys  # noqa: E402
-
-from level_steps import ab_level  # noqa: E402
+from level_steps import ab_main  # noqa: E402
 from verispec.adaptive.policy import AdaptiveDraftLength  # noqa: E402
 
 
@@ -25,11 +23,5 @@ class Short(AdaptiveDraftLength):
         pass
 
 
-def main() -> None:
-    n, rounds = int(sys.argv[1]), int(sys.argv[2])
-    before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
-    ab_level(n, rounds, before, {"reaching": AdaptiveDraftLength, "short": Short})
-
-
 if __name__ == "__main__":
-    main()
+    ab_main({"reaching": AdaptiveDraftLength, "short": Short})

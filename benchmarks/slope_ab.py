@@ -15,11 +15,9 @@ from verispec.memory import keep_freed_memory
 
 keep_freed_memory()
 
-import sys  # noqa: E402
-
 import numpy as np  # noqa: E402
 
-from level_steps import ab_level  # noqa: E402
+from level_steps import ab_main  # noqa: E402
 from verispec.adaptive.costs import StepCost  # noqa: E402
 from verispec.adaptive.policy import AdaptiveDraftLength  # noqa: E402
 
@@ -54,11 +52,5 @@ class SlopePriced(AdaptiveDraftLength):
         return self._step_cost
 
 
-def main() -> None:
-    n, rounds = int(sys.argv[1]), int(sys.argv[2])
-    before = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else []
-    ab_level(n, rounds, before, {"as is": AdaptiveDraftLength, "slope": SlopePriced})
-
-
 if __name__ == "__main__":
-    main()
+    ab_main({"as is": AdaptiveDraftLength, "slope": SlopePriced})
