@@ -528,9 +528,46 @@ def test_step_cost_forgets_a_bin_nobody_chose_for_a_while():
         sc.record(16 if i % 2 else 32, 2.0 if i % 2 else 4.0, num_reqs=16)
     assert sc.costs(16, [24])[0] == pytest.approx(3.0), "the early outliers still price the bin"
     sc.record(24, 3.5, num_reqs=16)
-    assert sc.costs(16, [24])[0] == pytest.approx(3.0), "one fresh step is not yet a price"
+    assert sc.costs(16, [24])[0] == pytest.approx(3.0, abs=0.02), "one fresh step is not yet a price"
     sc.record(24, 3.5, num_reqs=16)
     assert sc.costs(16, [24])[0] == pytest.approx(3.5)
+
+
+def test_step_cost_prices_counts_unseen_at_a_batch_size_by_the_line_through_its_steps():
+    """64 requests, each forward a different size once (plans vary): body = 0.3 + 0.005 (T - 64)
+    plus noise. Other batch sizes saw cheaper forwards of those sizes, and the profile is flat; an
+    unseen count still costs the line through this batch size's own steps, a count seen twice here
+    its median, and past the widest seen here never less than the profile's shape says."""
+    prof = CostProfile([1, 64, 128, 512], [0.1, 0.3, 0.32, 0.4])
+    sc = C.StepCost(prof)
+    for t in (96, 112, 128):  # 32 requests: 0.1 s whatever the count
+        sc.record(t, 0.1, num_reqs=32), sc.record(t, 0.1, num_reqs=32)
+    noise = [0.004, -0.003, 0.002, -0.004, 0.001, 0.003, -0.002, -0.001]
+    for j, t in enumerate(range(64, 104, 5)):
+        sc.record(t, 0.3 + 0.005 * (t - 64) + noise[j], num_reqs=64)
+    a, b = sc._line(64)
+    assert a == pytest.approx(0.3, abs=0.005) and b == pytest.approx(0.005, rel=0.1)
+    assert sc.costs(64, [90])[0] == pytest.approx(a + b * 26)  # unseen here, within what was seen
+    assert sc.costs(32, [100])[0] == pytest.approx(0.1)  # 32 requests: too few steps for a line
+    sc.record(90, 0.2, num_reqs=64), sc.record(90, 0.2, num_reqs=64)
+    assert sc.costs(64, [90])[0] == pytest.approx(0.2)  # seen twice here: its own median
+    a, b = sc._line(64)  # the two steps at 90 joined it
+    assert sc.costs(64, [200])[0] == pytest.approx(a + b * 136)  # past them too: dearer than the shape
+    # one request, memory-bound: 1-3 tokens cost the same, a flat line; the profile has a knee
+    # past 8 tokens, and past the widest count seen here its shape prices 32 tokens at 4 steps
+    knee = C.StepCost(CostProfile([1, 4, 8, 64], [1.0, 1.0, 1.0, 8.0]))
+    for t in (1, 2, 3) * 3:
+        knee.record(t, 1.0, num_reqs=1)
+    assert knee._line(1) == pytest.approx((1.0, 0.0))
+    assert knee.costs(1, [32])[0] == pytest.approx(4.0)
+    fewer = C.StepCost(prof)
+    for t in range(64, 64 + C.StepCost.MIN_FIT - 1):
+        fewer.record(t, 1.0, num_reqs=64)
+    assert fewer._line(64) is None  # MIN_FIT steps before a line
+    flat = C.StepCost(prof)
+    for _ in range(C.StepCost.MIN_FIT):
+        flat.record(64, 1.0, num_reqs=64)
+    assert flat._line(64) is None  # one count says nothing of a slope
 
 
 def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
