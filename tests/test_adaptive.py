@@ -528,7 +528,9 @@ def test_step_cost_forgets_a_bin_nobody_chose_for_a_while():
         sc.record(16 if i % 2 else 32, 2.0 if i % 2 else 4.0, num_reqs=16)
     assert sc.costs(16, [24])[0] == pytest.approx(3.0), "the early outliers still price the bin"
     sc.record(24, 3.5, num_reqs=16)
-    assert sc.costs(16, [24])[0] == pytest.approx(3.0, abs=0.02), "one fresh step is not yet a price"
+    a, b = sc._line(16)  # the fresh step joined the line through this batch size's steps (16 and 32 tokens)
+    assert a + b * 8 == pytest.approx(3.0, abs=0.02)
+    assert sc.costs(16, [24])[0] == pytest.approx(a + b * 8), "one fresh step is not yet a price"
     sc.record(24, 3.5, num_reqs=16)
     assert sc.costs(16, [24])[0] == pytest.approx(3.5)
 

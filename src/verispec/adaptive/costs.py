@@ -295,7 +295,7 @@ class StepCost:
     shape from there; below the smallest, the profile's shape, at most that count's cost. With
     nothing seen, the profile itself.
 
-    Between the counts this batch size saw twice, a line: once this batch size has MIN_FIT fresh
+    Before that rule, a line for what this batch size has not seen twice: once it has MIN_FIT fresh
     steps over two counts or more, an unseen count T costs body = a + b (T - N), least squares over
     those steps (b >= 0), and past the largest count seen here at least what the rule above says.
     Plans of varying size seldom fill one count twice, so before the line the price of an unseen
