@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 from verispec import prompts as P  # noqa: E402
 from verispec.bench.cli import sweep_pool  # noqa: E402
-from verispec.bench.runner import build_engine, busy_throughput, engine_config, measured_requests, run_batch, sweep_requests  # noqa: E402
+from verispec.bench.runner import (build_engine, busy_throughput, engine_config, measured_requests, run_batch,  # noqa: E402
+                                    run_batches, sweep_requests)
 from verispec.models import load_model, load_tokenizer  # noqa: E402
 
 MAX_PROMPT, MAX_LEN = 140, 204
@@ -90,8 +91,8 @@ def level_setup(n: int, before: list[int]):
 def ab_level(n: int, rounds: int, before: list[int], variants: dict) -> None:
     """Plain decoding against adaptive policies of the given classes (name -> class) at level n,
     each policy having lived through the `before` levels first, as in the sweep; `rounds` rounds,
-    the methods' order rotated; busy throughput as the sweep measures it, each method's median
-    and its ratio to plain's."""
+    every method's steps alternating as in the sweep (`run_batches`); busy throughput as the sweep
+    measures it, each method's median and its ratio to plain's."""
     reqs, measured, level_requests, engine = level_setup(n, before)
     policies = {}
     for name, cls in variants.items():
@@ -111,10 +112,10 @@ def ab_level(n: int, rounds: int, before: list[int], variants: dict) -> None:
     results: dict[str, list[float]] = {k: [] for k in engines}
     for r in range(rounds):
         names = list(engines)
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            eng = engines[name]
-            run_batch(eng, reqs[:n], 4)  # warm-up
-            seconds, rows, stats = run_batch(eng, reqs, 64)
+        names = names[r % len(names):] + names[: r % len(names)]
+        for name in names:
+            run_batch(engines[name], reqs[:n], 4)  # warm-up
+        for name, (seconds, rows, stats) in zip(names, run_batches([engines[x] for x in names], reqs, 64)):
             results[name].append(busy_throughput(rows, n, measured))
             print(f"r{r + 1} {name}: busy {results[name][-1]:.1f} tok/s, drain "
                   f"{sum(x['tokens'] for x in rows) / seconds:.1f}, tau {stats.tau:.2f}", flush=True)

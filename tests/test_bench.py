@@ -260,6 +260,43 @@ def test_sweep_throughput_is_littles_law_over_the_requests_after_the_first_wave(
     assert busy_throughput(hand, 2, 2) == pytest.approx(2 * 15 / 7.0)
 
 
+def test_batches_alternate_steps_and_each_engine_keeps_its_own_clock(tiny, monkeypatch):
+    """Plain decoding and the n-gram drafter on the same 6 requests at 2 slots, their steps
+    alternating: each emits what it emits alone, the steps go plain, n-gram, plain, ... while both
+    have work, and each engine's times are the sum of its own steps (clock readings are made up:
+    every step of engine e lasts e + 1 seconds)."""
+    from verispec.bench import runner
+    from verispec.bench.runner import build_engine, engine_config, run_batch, run_batches
+
+    _, ours, prompts = tiny
+
+    def engines():
+        return [build_engine(ours, None, engine_config("tiny", d, 4, "float32", False, 2, 64, policy="fixed"),
+                             FACTORIES.get(d)) for d in (None, "ngram")]
+
+    alone = [run_batch(e, prompts * 2, 8)[1] for e in engines()]
+    pair = engines()
+    order, clock = [], [0.0]
+    for i, e in enumerate(pair):
+        step = e.step
+
+        def timed(step=step, i=i):
+            order.append(i)
+            clock[0] += i + 1  # a step of engine i lasts i + 1 "seconds"
+            return step()
+        e.step = timed
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
+    both = run_batches(pair, prompts * 2, 8)
+    monkeypatch.undo()
+    for (seconds, rows, _), solo, i in zip(both, alone, (0, 1)):
+        assert [r["output_ids"] for r in rows] == [r["output_ids"] for r in solo]
+        assert seconds == (i + 1) * order.count(i)  # its own steps only
+        assert max(r["end_s"] for r in rows) == seconds and all(r["admitted_s"] % (i + 1) == 0 for r in rows)
+    assert [r["output_ids"] for r in both[0][1]] == [r["output_ids"] for r in both[1][1]]  # lossless
+    common = 2 * min(order.count(0), order.count(1))
+    assert order[:common] == [0, 1] * (common // 2) and len(set(order[common:])) <= 1
+
+
 def test_sweep_outputs_outside_the_single_stream_prompts_are_checked_against_batched_plain():
     from verispec.bench.metrics import Trace
 

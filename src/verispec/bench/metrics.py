@@ -34,9 +34,9 @@ DEFINITIONS = {
     "throughput_tok_s": "load sweep: concurrency x output tokens / summed time from admission to finish of the "
                         "max(prompts, concurrency) requests after a first wave of concurrency, with concurrency "
                         "more queued behind them so that every slot stays busy while they run (Little's law); "
-                        "distinct prompts; Engine with max_batch_size = concurrency, or that many streams in "
-                        "flight to the server",
-    "drain_throughput_tok_s": "load sweep: all output tokens / wall time until the last request finished (the "
+                        "distinct prompts; Engine with max_batch_size = concurrency, every method's steps "
+                        "alternating and each timed on its own clock, or that many streams in flight to the server",
+    "drain_throughput_tok_s": "load sweep: all output tokens / time until the last request finished (the "
                               "drain included, where the batch shrinks to the slowest requests)",
     "per_user_tok_s": "load sweep: median over requests of 1 / TPOT (decode speed one user sees)",
 }

@@ -236,38 +236,60 @@ def busy_throughput(rows: list[dict], concurrency: int, measured: int) -> float:
 
 def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True
               ) -> tuple[float, list[dict], SpecStats]:
-    """Add every request, step until all are done; per-request admission (the start of the step
-    that gave it a slot), first-token and finish times."""
+    """Add every request, step until all are done (`run_batches` with one engine)."""
+    return run_batches([engine], prompts, max_tokens, ignore_eos)[0]
+
+
+def run_batches(engines: list[Engine], prompts: list[Prompt], max_tokens: int, ignore_eos: bool = True
+                ) -> list[tuple[float, list[dict], SpecStats]]:
+    """Every engine runs the same requests; their steps alternate, one step of each engine with
+    work in turn. Each engine's times are on its own clock, the sum of its own steps' durations:
+    per request its admission (the start of the step that gave it a slot), first-token and finish
+    times, and in all the seconds until its last request finished.
+
+    Why alternate: on a shared machine the speed drifts over minutes (plain decoding at 16 streams
+    ran 116, 68 and 82 tok/s in three rounds of one sweep, session 28), so methods run one after
+    another, each for a minute or two, were compared at different machine speeds. Steps alternate
+    every 0.01-1 s, so a drift slower than that hits every engine alike. Each step streams the
+    weights from memory whichever engine runs it, so alternating costs a step nothing measurable
+    (a batch's KV cache is the only state an engine's step finds cold)."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
-    t0 = time.perf_counter()
-    seqs = [engine.add_request(p.ids, sp) for p in prompts]
-    first: dict[int, tuple[float, int]] = {}
-    end: dict[int, float] = {}
-    admitted: dict[int, float] = {}
-    while engine.has_work:
-        waiting = {s.id for s in engine.waiting}
-        start = time.perf_counter() - t0
-        engine.step()
-        now = time.perf_counter() - t0
-        left = {s.id for s in engine.waiting}
-        for s in seqs:
-            if s.id in waiting and s.id not in left:  # every request starts in the queue
-                admitted[s.id] = start
-            if s.id not in first and s.num_output:
-                first[s.id] = (now, s.num_output)
-            if s.id not in end and s.finished:
-                end[s.id] = now
-    seconds = time.perf_counter() - t0
-    total = SpecStats()
-    rows = []
-    for p, s in zip(prompts, seqs):
-        total.merge(s.stats)
-        ttft, n0 = first[s.id]
-        n = s.num_output - n0
-        rows.append({"prompt": p.id, "tokens": s.num_output, "seconds": end[s.id], "ttft_s": ttft,
-                     "tpot_s": (end[s.id] - ttft) / n if n > 0 else None, "output_ids": list(s.output_ids),
-                     "admitted_s": admitted[s.id], "end_s": end[s.id]})
-    return seconds, rows, total
+    runs = []
+    for eng in engines:
+        seqs = [eng.add_request(p.ids, sp) for p in prompts]
+        runs.append({"engine": eng, "seqs": seqs, "clock": 0.0, "first": {}, "end": {}, "admitted": {}})
+    busy = list(runs)
+    while busy:
+        for run in busy:
+            eng, seqs = run["engine"], run["seqs"]
+            waiting = {s.id for s in eng.waiting}
+            start = run["clock"]
+            t = time.perf_counter()
+            eng.step()
+            run["clock"] = now = start + time.perf_counter() - t
+            left = {s.id for s in eng.waiting}
+            for s in seqs:
+                if s.id in waiting and s.id not in left:  # every request starts in the queue
+                    run["admitted"][s.id] = start
+                if s.id not in run["first"] and s.num_output:
+                    run["first"][s.id] = (now, s.num_output)
+                if s.id not in run["end"] and s.finished:
+                    run["end"][s.id] = now
+        busy = [run for run in busy if run["engine"].has_work]
+    out = []
+    for run in runs:
+        total = SpecStats()
+        rows = []
+        for p, s in zip(prompts, run["seqs"]):
+            total.merge(s.stats)
+            ttft, n0 = run["first"][s.id]
+            n = s.num_output - n0
+            end = run["end"][s.id]
+            rows.append({"prompt": p.id, "tokens": s.num_output, "seconds": end, "ttft_s": ttft,
+                         "tpot_s": (end - ttft) / n if n > 0 else None, "output_ids": list(s.output_ids),
+                         "admitted_s": run["admitted"][s.id], "end_s": end})
+        out.append((run["clock"], rows, total))
+    return out
 
 
 def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int, dtype: str, mode: str,
@@ -279,8 +301,9 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
     A method's draft-length policy lives through the whole sweep, as it does in a server process
     while the load changes: what an adaptive policy learned at one level (acceptance, the step
     cost by forward size) it keeps at the next, instead of learning it again in every 30-step
-    burst. With several rounds, the whole sweep repeats (the methods' order rotated per round and
-    level, as the server sweep does) and a point reports its median round."""
+    burst. At each level every method runs the same requests at once, their steps alternating
+    (`run_batches`). With several rounds, the whole sweep repeats (the methods' order rotated per
+    round and level) and a point reports its median round."""
     policies: dict[str, object] = {}
     runs: dict[tuple[str | None, int], list[tuple[float, list[dict], float]]] = {}
     exact = mode == "exact"
@@ -289,14 +312,17 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
         for c in concurrency:
             reqs = sweep_requests(prompts, c, pool)
             j = (r + concurrency.index(c)) % len(drafters)
-            for spec in drafters[j:] + drafters[:j]:
+            order = drafters[j:] + drafters[:j]
+            engines = []
+            for spec in order:
                 drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else (None, "chain", k, "fixed")
                 cfg = engine_config(model, drafter, kk, dtype, exact, c, max_model_len, str(target.device), tree, policy)
                 eng = build_engine(target, tokenizer, cfg, (factories or {}).get(drafter), policies.get(spec))
                 if spec:
                     policies[spec] = eng.policy
                 run_batch(eng, reqs[:c], min(4, max_tokens), ignore_eos)  # warm-up at this batch size, untimed
-                seconds, rows, st = run_batch(eng, reqs, max_tokens, ignore_eos)
+                engines.append(eng)
+            for spec, (seconds, rows, st) in zip(order, run_batches(engines, reqs, max_tokens, ignore_eos)):
                 point = SweepPoint("", c, len(rows), sum(x["tokens"] for x in rows), seconds, rows, st.tau,
                                    measured=measured_requests(len(prompts), c))
                 runs.setdefault((spec, c), []).append(point)
@@ -304,7 +330,7 @@ def run_sweep(target, tokenizer, model: str, drafters: list[str | None], k: int,
                     name = f"{spec}{tag}" if spec else f"plain{tag}"
                     progress(f"sweep {name} @ {c}{f', round {r + 1}' if rounds > 1 else ''}: {point.throughput:.1f} "
                              f"tok/s ({point.drain_throughput:.1f} with the drain)")
-                del eng
+            del engines
     points = []
     for c in concurrency:
         for spec in drafters:
