@@ -250,9 +250,10 @@ def run_batches(engines: list[Engine], prompts: list[Prompt], max_tokens: int, i
     Why alternate: on a shared machine the speed drifts over minutes (plain decoding at 16 streams
     ran 116, 68 and 82 tok/s in three rounds of one sweep, session 28), so methods run one after
     another, each for a minute or two, were compared at different machine speeds. Steps alternate
-    every 0.01-1 s, so a drift slower than that hits every engine alike. Each step streams the
-    weights from memory whichever engine runs it, so alternating costs a step nothing measurable
-    (a batch's KV cache is the only state an engine's step finds cold)."""
+    every 0.01-1 s, so a drift slower than that hits every engine alike. What alternating costs a
+    step was within the drift between runs alone: on the 2-core AVX2 EPYC, plain decoding at 64
+    streams took 680 and 684 ms a step alternating with another plain engine, 641 and 615 alone
+    before and after (`benchmarks/alternation_check.py`); whatever it costs, every engine pays."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     runs = []
     for eng in engines:
