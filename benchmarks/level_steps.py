@@ -71,7 +71,8 @@ def report(name: str, recs: list[dict], n: int, line: str) -> None:
 
 def level_setup(n: int, before: list[int]):
     """The sweep's requests at level n (pool and context as `run_adaptive.sh`'s), how many are
-    measured, and a function that builds an engine at c streams (drafter None: plain decoding)."""
+    measured, and a function that builds an engine at c streams (drafter None: plain decoding;
+    policy_kind: the draft-length policy, "adaptive" or "fixed" at k = 7)."""
     torch.set_num_threads(2)
     tok, target = load_tokenizer("gemma3-270m"), load_model("gemma3-270m", torch.bfloat16)
     prompts = P.load(["mtbench", "humaneval"], 2)
@@ -80,8 +81,8 @@ def level_setup(n: int, before: list[int]):
     pool = sweep_pool(prompts, ["mtbench", "humaneval"], 2 * max([n, *before]) + measured_requests(len(prompts), n) + len(prompts),
                       tok, target.config.model_type, MAX_PROMPT)
 
-    def engine(c: int, drafter: str | None, policy=None):
-        cfg = engine_config("gemma3-270m", drafter, 7, "bfloat16", False, c, MAX_LEN, policy="adaptive" if drafter else "fixed")
+    def engine(c: int, drafter: str | None, policy=None, policy_kind: str = "adaptive"):
+        cfg = engine_config("gemma3-270m", drafter, 7, "bfloat16", False, c, MAX_LEN, policy=policy_kind if drafter else "fixed")
         return build_engine(target, tok, cfg, None, policy)
 
     return (sweep_requests(prompts, n, pool), measured_requests(len(prompts), n),

@@ -682,6 +682,45 @@ def test_a_plan_must_beat_plain_decoding_by_the_margin(planner):
         assert len(out[0].tokens) == verified, chance
 
 
+def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monkeypatch):
+    """The margin test's node at chance 0.58 (predicted 5% faster than plain decoding) is verified
+    while its steps run as priced; after 8 of them each took 3 plain steps' time (realized gain
+    1/3), it is not, at that batch size; 256 steps after the last record it is verified again.
+    Steps with prompt chunks riding along or probes are not on record."""
+    from verispec.adaptive import policy as P
+    from verispec.adaptive.realized import RealizedGain
+    from verispec.sequence import Sequence
+
+    clock = [0.0]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    policy = AdaptiveDraftLength(CostProfile([1, 2], [1.0, 1.5]), max_depth=1)
+    policy.step_cost.record = lambda *a, **kw: None
+    policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    policy.estimator.observe = lambda *a, **kw: None  # the confidence stays 0.58
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=10_000), torch.Generator(), num_draft_tokens=1)
+
+    def step(seconds: float, riders: int = 0) -> int:
+        policy.budgets([seq], 1)
+        policy._probe = False
+        if riders:
+            policy.riders(riders, 1)
+        out = policy.admit([seq], [Draft([4], features=[[logit_(0.58)]])], 0.0)
+        clock[0] += seconds
+        policy.observe([seq], out, [Verdict([7], 0)])
+        return len(out[0].tokens)
+
+    assert step(1.5) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # one record: not yet
+    for _ in range(RealizedGain.MIN_PLANS - 2):
+        assert step(3.0) == 1
+    assert step(3.0, riders=4) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # not on record: 7 records
+    assert step(3.0) == 1  # the 8th
+    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(1.053 - 1 / 3, abs=0.01)
+    assert policy.realized.overshoot(policy.steps, 2) == 0.0  # another batch size's bin
+    assert step(1.0) == 0
+    policy.steps += RealizedGain.FORGET
+    assert step(1.5) == 1
+
+
 def test_a_cheap_drafter_whose_drafts_were_not_worth_verifying_looks_again_every_few_steps():
     """Drafting that costs 1.5% of a plain step, where nothing pays: after a step that verified
     nothing, the drafter drafts 2 steps later, then every 3rd step (keeping fruitless drafting

@@ -3,7 +3,8 @@ PYTHONPATH and VERISPEC_STEP_TRACE set to a folder: the processes the benchmarks
 (`verispec serve` under the server sweep) write one JSON file each, `<VERISPEC_STEP_TRACE>/<pid>.json`,
 at exit or on SIGTERM, with one record per engine step:
 
-    t (perf_counter at the step's start: CLOCK_MONOTONIC, comparable across processes),
+    t (perf_counter at the step's start: CLOCK_MONOTONIC, comparable across processes), method
+    (the engine's: plain or drafter@k=K@policy, and #its number in this process),
     s (seconds), kind (decode / prefill), n (running requests), prompt (prompt tokens in the
     step), emitted (decode tokens), head_s / head_rows (the LM head call);
     under the adaptive policy: drafted / admitted / accepted nodes, draft_s, probe, predicted
@@ -33,6 +34,7 @@ RECORDS: list[dict] = []
 CURRENT: list = [None]
 LEVELS: list[dict] = []
 WRITTEN: list = []
+ENGINES = [0]  # engines seen so far (`_method`)
 
 
 def _patch_engine(mod) -> None:
@@ -41,7 +43,7 @@ def _patch_engine(mod) -> None:
 
     def traced_decode(self, seqs, chunks=((), {})):
         t = time.perf_counter()
-        rec = {"t": t, "kind": "decode", "n": len(seqs), "prompt": sum(len(c[2]) for c in chunks[0])}
+        rec = {"t": t, "kind": "decode", "n": len(seqs), "prompt": sum(len(c[2]) for c in chunks[0]), "method": _method(self)}
         CURRENT[0] = self._trace_rec = rec
         events = decode(self, seqs, chunks)
         rec["s"] = time.perf_counter() - t
@@ -55,7 +57,7 @@ def _patch_engine(mod) -> None:
         events = prefill(self, chunks, twins)
         if chunks and not getattr(self, "_trace_rec", None):
             RECORDS.append({"t": t, "kind": "prefill", "n": len(chunks), "prompt": sum(len(c[2]) for c in chunks),
-                            "s": time.perf_counter() - t})
+                            "s": time.perf_counter() - t, "method": _method(self)})
         return events
 
     Engine._decode_step, Engine._run_prefill = traced_decode, traced_prefill
@@ -122,6 +124,16 @@ def _patch_policy(mod) -> None:
         return observe(self, seqs, drafts, verdicts)
 
     Policy.admit, Policy.observe = traced_admit, traced_observe
+
+
+def _method(engine) -> str:
+    """Which engine ran a step: its method and a number counting the engines this process built
+    (the in-process sweep alternates several in one process, and builds new ones every level)."""
+    if not hasattr(engine, "_trace_no"):
+        engine._trace_no = ENGINES[0] = ENGINES[0] + 1
+    c = engine.config
+    name = "plain" if c.drafter is None else f"{c.drafter}@k={c.num_draft_tokens}@{c.draft_policy}"
+    return f"{name}#{engine._trace_no}"
 
 
 def _current():

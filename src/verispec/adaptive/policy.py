@@ -31,6 +31,7 @@ from ..sequence import Sequence
 from ..verify import Verdict
 from .costs import CostProfile, DraftCost, StepCost
 from .estimator import AcceptanceEstimator
+from .realized import RealizedGain
 from .planner import (argmax, budget_throughput, first_peak, keep, keep_best, ranked_survival, request_order,
                       throughput)
 
@@ -68,7 +69,8 @@ class AdaptiveDraftLength:
     # where a step's cost grows with every token (64 requests on a 2-core CPU) the best plans are
     # within a few percent of plain decoding. In one traced run at 64 requests, the 36 steps whose
     # plan was predicted 0-2% faster than plain decoding ran at 0.96x its speed (median), the 31
-    # predicted 2-6% faster at 1.00x. So a plan must beat plain decoding by MARGIN.
+    # predicted 2-6% faster at 1.00x. So a plan must beat plain decoding by MARGIN, and by what the
+    # plans at this batch size have lately overshot their predictions (realized.py).
     MARGIN = 0.03
     SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
@@ -95,6 +97,9 @@ class AdaptiveDraftLength:
         self._stale: int | None = None  # topb: the best window or budget by last step's survivals
         self.packed_chains = True  # the engine verifies chains packed (set by the engine: CPU yes, else padded)
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
+        self.realized = RealizedGain()  # plans' predicted against realized gain, per batch size
+        self._predicted: float | None = None  # this step's plan's predicted gain, when it is checked (quiet, no probe)
+        self._draft_seconds = 0.0  # this step's drafting time (a checked plan's realized gain counts it)
         self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
         self.last_admitted = 0
 
@@ -164,6 +169,7 @@ class AdaptiveDraftLength:
         n = len(seqs)
         riding, ends = self._riding
         self._riding = (0, 0)
+        self._predicted = None
         if not self.last_drafted:  # nothing to plan; the window stays as it was
             self.last_admitted = 0
             self._verify_started = (n, n + riding, n + ends, time.perf_counter())
@@ -179,6 +185,10 @@ class AdaptiveDraftLength:
             kept = self._plan_packed(surv, pins, drafts, exact, riding, ends)
         else:
             kept = self._plan_window(surv, pins, drafts, exact)
+        if riding or self._probe:  # a step whose time is not the plan's alone is not checked
+            self._predicted = None
+        else:
+            self._draft_seconds = draft_seconds
         if self.width:  # a look (or a probe) that found a plan worth verifying
             self._look_wait = 1
         elif not self._probe:  # a fruitless look: the next one waits twice as long (capped where it is read)
@@ -193,9 +203,10 @@ class AdaptiveDraftLength:
         self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, time.perf_counter())
         return out
 
-    def _choose(self, theta: list[float], exact: bool) -> int:
+    def _choose(self, theta: list[float], exact: bool, num_reqs: int) -> int:
         """The planner's pick among the plans scored by theta (windows, or packed budgets); plain
-        decoding (0) unless the pick beats it by MARGIN."""
+        decoding (0) unless the pick beats it by MARGIN plus the recent overshoot of plans at this
+        batch size (`RealizedGain`)."""
         if exact:
             choice = self._stale = argmax(theta)
         elif self.planner == "greedy":
@@ -204,7 +215,11 @@ class AdaptiveDraftLength:
             best = argmax(theta)
             choice = best if self._stale is None else min(self._stale, len(theta) - 1)
             self._stale = best  # used next step only: its survivals are then history
-        return choice if theta[choice] >= (1 + self.MARGIN) * theta[0] else 0
+        need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs)
+        if not choice or theta[choice] < need * theta[0]:
+            return 0
+        self._predicted = theta[choice] / theta[0]
+        return choice
 
     def _plan_packed(self, surv, pins, drafts, exact, riding: int = 0, ends: int = 0) -> list[list[int]]:
         """Packed chains (engine._chain_forward): a step costs what its N + B tokens cost, so the
@@ -228,7 +243,7 @@ class AdaptiveDraftLength:
             return [c - share for c in joined]
 
         theta = budget_throughput(free, dsec, lambda m: priced(range(m + 1)), self.SURVIVAL_FLOOR)
-        budget = self._choose(theta, exact)
+        budget = self._choose(theta, exact, n)
         kept = keep_best(free, budget, self.SURVIVAL_FLOOR)
         self.width = max(len(k) for k in kept)
         if self._probe and not budget:  # the best node of as many requests as PROBE_SHARE pays for
@@ -256,7 +271,7 @@ class AdaptiveDraftLength:
                      for W in range(widest + 1)]
         cost = self.step_cost.table(n, widest, head_rows).__getitem__  # seconds by window
         free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
-        width = self._choose(throughput(free, self.draft_cost(n), cost), exact)
+        width = self._choose(throughput(free, self.draft_cost(n), cost), exact, n)
         self.width = width
         if self._probe:
             width = max(width, 1)
@@ -272,8 +287,16 @@ class AdaptiveDraftLength:
     def observe(self, seqs: list[Sequence], drafts: list[Draft], verdicts: list[Verdict]) -> None:
         if self._verify_started is not None:  # the step's time after drafting, by forward size and head rows
             n, tokens, rows, t0 = self._verify_started
-            self.step_cost.record(tokens, time.perf_counter() - t0, rows, n)
+            seconds = time.perf_counter() - t0
+            self.step_cost.record(tokens, seconds, rows, n)
             self._verify_started = None
+            if self._predicted is not None:  # a checked plan: what it gained, against plain decoding as priced
+                plain = self.step_cost.costs(n, [n], [n])[0]
+                spent = seconds + self._draft_seconds
+                if plain > 0 and spent > 0:
+                    emitted = sum(v.accepted + 1 for v in verdicts)
+                    self.realized.record(self.steps, n, self._predicted, (emitted / spent) / (n / plain))
+                self._predicted = None
         for s, d, v in zip(seqs, drafts, verdicts):
             conf = self._pending.pop(s.id, [])
             if not d.tokens:
