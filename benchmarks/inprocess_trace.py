@@ -7,8 +7,11 @@ before the level's last-built engine finished its own) split as quiet or carryin
 emitted and their rate, and the mean step time at a full batch.
 
     python benchmarks/inprocess_trace.py DIR
+
+The first "level" is the single-stream part of the run (`verispec bench` runs it before the sweep).
 """
 
+import gzip
 import json
 import statistics
 import sys
@@ -51,8 +54,8 @@ def levels(records: list[dict]) -> list[list[dict]]:
 
 def main() -> None:
     records = []
-    for f in Path(sys.argv[1]).glob("*.json"):
-        data = json.loads(f.read_text())
+    for f in sorted(Path(sys.argv[1]).glob("*.json*")):  # .json, or .json.gz as kept in benchmarks/results
+        data = json.loads(gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_text())
         records += data["records"]
     records.sort(key=lambda r: r["t"])
     for steps in levels(records):

@@ -4,6 +4,7 @@
   model, cached) and what drafting costs by batch size (measured live);
 - `estimator.py`: the head-free online acceptance estimator (drafter features -> P(accept));
 - `planner.py`: survival products and the two planners (DSpark's greedy, vLLM's global top-B);
+- `realized.py`: what verified plans gained against what they were predicted to, per batch size;
 - `policy.py`: `AdaptiveDraftLength`, the engine's default `DraftLengthPolicy` with a drafter;
 - `cli.py`: `verispec profile`.
 
