@@ -31,9 +31,9 @@ from ..sequence import Sequence
 from ..verify import Verdict
 from .costs import CostProfile, DraftCost, StepCost
 from .estimator import AcceptanceEstimator
-from .realized import RealizedGain
 from .planner import (argmax, budget_throughput, first_peak, keep, keep_best, ranked_survival, request_order,
                       throughput)
+from .realized import RealizedGain
 
 PLANNERS = ("greedy", "topb")
 
