@@ -4,7 +4,7 @@ VIA=engine): at each level, every method's timed steps (each engine's warm-up le
 before the level's last-built engine finished its own) split as quiet or carrying prompt chunks
 ("rider"), and under the adaptive policy by whether a plan was verified, a probe, or nothing
 (drafted and dropped, or not drafted). For each split: steps, seconds, mean batch size, tokens
-emitted and their rate, and the mean step time at a full batch.
+emitted and their rate, and the median step time at a full batch (within an eighth of the level).
 
     python benchmarks/inprocess_trace.py DIR
 
@@ -30,8 +30,10 @@ def split(r: dict) -> str:
 
 
 def levels(records: list[dict]) -> list[list[dict]]:
-    """The timed steps of each level: engines are numbered as built, a level's engines are built
-    (and warmed) one after another and then alternate, so a level is a run of engine numbers."""
+    """The timed steps of each level: engines are numbered by their first step, and the sweep warms
+    each engine as it builds it, one after another, before the level's engines alternate; so a
+    level is a run of engine numbers, and its timed part starts when another engine steps after
+    the last one's warm-up."""
     by_engine: dict[int, list[dict]] = {}
     for r in records:
         if "method" in r:

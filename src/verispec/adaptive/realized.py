@@ -6,8 +6,8 @@ there. On the 2-core AVX2 EPYC at 64 streams (session 30, `benchmarks/inprocess_
 traced in-process sweep) the policy verified 42-128 nodes a step on plans predicted 1.15-1.6x
 plain decoding; they ran at 0.55-1.0x of it, and the level at 0.92x plain decoding (every fixed k
 lost there too: a node cost 5.2 ms, a request's plain step 6.3 ms, so only nodes accepted 83% of
-the time broke even). A fixed margin cannot serve both that load and 4 streams, where plans
-predicted a few percent above plain decoding did pay.
+the time broke even). A margin wide enough for that load would also refuse plans at light load,
+where the policy beat every fixed k (session 29: 1.07-1.12x the best at 1-4 streams).
 
 So the policy keeps, per batch-size bin (1, 2, 3-4, 5-8, ..., 33-64), the recent quiet plan steps
 (no prompt chunk riding along, not a probe): the step number, the predicted gain (the plan's
