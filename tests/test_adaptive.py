@@ -686,7 +686,7 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
     """The margin test's node at chance 0.58 (predicted 5% faster than plain decoding) is verified
     while its steps run as priced; after 8 of them each took 3 plain steps' time (realized gain
     1/3), it is not, at that batch size; 256 steps after the last record it is verified again.
-    Steps with prompt chunks riding along or probes are not on record."""
+    A step with prompt chunks riding along is on record apart."""
     from verispec.adaptive import policy as P
     from verispec.adaptive.realized import RealizedGain
     from verispec.sequence import Sequence
@@ -712,13 +712,58 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
     assert step(1.5) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # one record: not yet
     for _ in range(RealizedGain.MIN_PLANS - 2):
         assert step(3.0) == 1
-    assert step(3.0, riders=4) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # not on record: 7 records
+    assert step(3.0, riders=4) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # on record apart: 7 records
     assert step(3.0) == 1  # the 8th
     assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(1.053 - 1 / 3, abs=0.01)
     assert policy.realized.overshoot(policy.steps, 2) == 0.0  # another batch size's bin
     assert step(1.0) == 0
     policy.steps += RealizedGain.FORGET
     assert step(1.5) == 1
+
+
+def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_riders_keep_their_own(monkeypatch):
+    """Plain decoding, priced 1.0 s a step, ran 0.4 s in the quiet steps that verified nothing
+    (once 4 are on record; a step with prompt chunks riding along is not one of them): plans whose
+    steps took 1.5 s for one token realized 0.4 / 1.5 of plain decoding's speed, not 1 / 1.5.
+    Plans on steps with riders are on record apart, their time less the riders' priced part
+    (2.0 s of a 3.5 s step)."""
+    from verispec.adaptive import policy as P
+    from verispec.adaptive.realized import RealizedGain
+    from verispec.sequence import Sequence
+
+    clock = [0.0]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    policy = AdaptiveDraftLength(CostProfile([1, 2], [1.0, 1.5]), max_depth=1)
+    policy.step_cost.record = lambda *a, **kw: None
+    policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    policy.estimator.observe = lambda *a, **kw: None  # the confidence stays 0.58
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=10_000), torch.Generator(), num_draft_tokens=1)
+
+    def step(seconds: float, riders: int = 0, draft: bool = True) -> int:
+        policy.budgets([seq], 1)
+        policy._probe = False
+        if riders:
+            policy.riders(riders, 1)
+        out = policy.admit([seq], [Draft([4], features=[[logit_(0.58)]]) if draft else Draft([])], 0.0)
+        clock[0] += seconds
+        policy.observe([seq], out, [Verdict([7], 0)])
+        return len(out[0].tokens)
+
+    for _ in range(RealizedGain.MIN_PLAIN - 1):
+        step(0.4, draft=False)
+    step(0.9, riders=4, draft=False)
+    assert policy.realized.plain_seconds(policy.steps, 1) is None  # 3 plain steps: the price stands
+    step(0.4, draft=False)
+    assert policy.realized.plain_seconds(policy.steps, 1) == pytest.approx(0.4)
+    for _ in range(RealizedGain.MIN_PLANS):
+        assert step(3.5, riders=4) == 1
+    assert policy.realized.overshoot(policy.steps, 1) == 0.0
+    assert policy.realized.overshoot(policy.steps, 1, riders=True) == pytest.approx(1.053 - 0.4 / 1.5, abs=0.01)
+    assert step(3.5, riders=4) == 0
+    for _ in range(RealizedGain.MIN_PLANS):
+        assert step(1.5) == 1
+    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(1.053 - 0.4 / 1.5, abs=0.01)
+    assert step(1.5) == 0
 
 
 def test_a_cheap_drafter_whose_drafts_were_not_worth_verifying_looks_again_every_few_steps():

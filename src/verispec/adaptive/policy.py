@@ -98,8 +98,11 @@ class AdaptiveDraftLength:
         self.packed_chains = True  # the engine verifies chains packed (set by the engine: CPU yes, else padded)
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
         self.realized = RealizedGain()  # plans' predicted against realized gain, per batch size
-        self._predicted: float | None = None  # this step's plan's predicted gain, when it is checked (quiet, no probe)
+        self._predicted: float | None = None  # this step's plan's predicted gain, when it is checked (no probe)
         self._draft_seconds = 0.0  # this step's drafting time (a checked plan's realized gain counts it)
+        self._share = 0.0  # the priced seconds of this step's riders (a checked plan's realized gain leaves them out)
+        self._with_riders = False  # this step's forward carries prompt chunks
+        self._quiet_plain = False  # this step verifies nothing and carries no riders: plain decoding's speed
         self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
         self.last_admitted = 0
 
@@ -169,7 +172,7 @@ class AdaptiveDraftLength:
         n = len(seqs)
         riding, ends = self._riding
         self._riding = (0, 0)
-        self._predicted = None
+        self._predicted, self._share, self._with_riders, self._quiet_plain = None, 0.0, riding > 0, not riding
         if not self.last_drafted:  # nothing to plan; the window stays as it was
             self.last_admitted = 0
             self._verify_started = (n, n + riding, n + ends, time.perf_counter())
@@ -181,14 +184,14 @@ class AdaptiveDraftLength:
         # nothing drawn at random (greedy requests, deterministic drafts): any admission rule is
         # lossless, so the best plan by the current survivals (no early stop at a local maximum)
         exact = all(s.params.greedy or d.q is None for s, d in zip(seqs, drafts))
-        if self.packed_chains and all(d.parents is None for d in drafts):
+        packed = self.packed_chains and all(d.parents is None for d in drafts)
+        if packed:
             kept = self._plan_packed(surv, pins, drafts, exact, riding, ends)
         else:
             kept = self._plan_window(surv, pins, drafts, exact)
-        if riding or self._probe:  # a step whose time is not the plan's alone is not checked
+        if self._probe or (riding and not packed):  # the plan's part of the step is not known: not checked
             self._predicted = None
-        else:
-            self._draft_seconds = draft_seconds
+        self._draft_seconds = draft_seconds
         if self.width:  # a look (or a probe) that found a plan worth verifying
             self._look_wait = 1
         elif not self._probe:  # a fruitless look: the next one waits twice as long (capped where it is read)
@@ -198,15 +201,15 @@ class AdaptiveDraftLength:
             out.append(d.select(k))
             self._pending[s.id] = [c[i] for i in k]
         self.last_admitted = sum(len(d.tokens) for d in out)
-        packed = self.packed_chains and all(d.parents is None for d in drafts)
+        self._quiet_plain = not riding and not self.last_admitted
         tokens = n + self.last_admitted if packed else n * (1 + max(len(d.tokens) for d in out))
         self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, time.perf_counter())
         return out
 
-    def _choose(self, theta: list[float], exact: bool, num_reqs: int) -> int:
+    def _choose(self, theta: list[float], exact: bool, num_reqs: int, riders: bool = False) -> int:
         """The planner's pick among the plans scored by theta (windows, or packed budgets); plain
         decoding (0) unless the pick beats it by MARGIN plus the recent overshoot of plans at this
-        batch size (`RealizedGain`)."""
+        batch size, on steps with riders or without as this one (`RealizedGain`)."""
         if exact:
             choice = self._stale = argmax(theta)
         elif self.planner == "greedy":
@@ -215,7 +218,7 @@ class AdaptiveDraftLength:
             best = argmax(theta)
             choice = best if self._stale is None else min(self._stale, len(theta) - 1)
             self._stale = best  # used next step only: its survivals are then history
-        need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs)
+        need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs, riders)
         if not choice or theta[choice] < need * theta[0]:
             return 0
         self._predicted = theta[choice] / theta[0]
@@ -239,11 +242,11 @@ class AdaptiveDraftLength:
         def priced(budgets: range) -> list[float]:
             alone = self.step_cost.costs(n, [base], [base])[0] if riding else 0.0
             joined = self.step_cost.costs(n, [base + riding + B for B in budgets], [base + ends + B for B in budgets])
-            share = joined[0] - alone if riding else 0.0  # the riders' part of the step
-            return [c - share for c in joined]
+            self._share = joined[0] - alone if riding else 0.0  # the riders' part of the step
+            return [c - self._share for c in joined]
 
         theta = budget_throughput(free, dsec, lambda m: priced(range(m + 1)), self.SURVIVAL_FLOOR)
-        budget = self._choose(theta, exact, n)
+        budget = self._choose(theta, exact, n, riders=riding > 0)
         kept = keep_best(free, budget, self.SURVIVAL_FLOOR)
         self.width = max(len(k) for k in kept)
         if self._probe and not budget:  # the best node of as many requests as PROBE_SHARE pays for
@@ -290,13 +293,15 @@ class AdaptiveDraftLength:
             seconds = time.perf_counter() - t0
             self.step_cost.record(tokens, seconds, rows, n)
             self._verify_started = None
-            if self._predicted is not None:  # a checked plan: what it gained, against plain decoding as priced
-                plain = self.step_cost.costs(n, [n], [n])[0]
-                spent = seconds + self._draft_seconds
+            if self._quiet_plain:
+                self.realized.plain(self.steps, n, seconds)
+            elif self._predicted is not None:  # a checked plan: what it gained against plain decoding
+                plain = self.realized.plain_seconds(self.steps, n) or self.step_cost.costs(n, [n], [n])[0]
+                spent = seconds - self._share + self._draft_seconds
                 if plain > 0 and spent > 0:
                     emitted = sum(v.accepted + 1 for v in verdicts)
-                    self.realized.record(self.steps, n, self._predicted, (emitted / spent) / (n / plain))
-                self._predicted = None
+                    self.realized.record(self.steps, n, self._predicted, (emitted / spent) / (n / plain), self._with_riders)
+            self._predicted, self._quiet_plain = None, False
         for s, d, v in zip(seqs, drafts, verdicts):
             conf = self._pending.pop(s.id, [])
             if not d.tokens:
