@@ -528,9 +528,9 @@ def test_step_cost_forgets_a_bin_nobody_chose_for_a_while():
         sc.record(16 if i % 2 else 32, 2.0 if i % 2 else 4.0, num_reqs=16)
     assert sc.costs(16, [24])[0] == pytest.approx(3.0), "the early outliers still price the bin"
     sc.record(24, 3.5, num_reqs=16)
-    a, b = sc._line(16)  # the fresh step joined the line through this batch size's steps (16 and 32 tokens)
-    assert a + b * 8 == pytest.approx(3.0, abs=0.02)
-    assert sc.costs(16, [24])[0] == pytest.approx(a + b * 8), "one fresh step is not yet a price"
+    line = sc._line(16)  # the fresh step joined the line through this batch size's steps (16 and 32 tokens)
+    assert line(16, 24, 24) == pytest.approx(3.0, abs=0.02)
+    assert sc.costs(16, [24])[0] == pytest.approx(line(16, 24, 24)), "one fresh step is not yet a price"
     sc.record(24, 3.5, num_reqs=16)
     assert sc.costs(16, [24])[0] == pytest.approx(3.5)
 
@@ -547,20 +547,20 @@ def test_step_cost_prices_counts_unseen_at_a_batch_size_by_the_line_through_its_
     noise = [0.004, -0.003, 0.002, -0.004, 0.001, 0.003, -0.002, -0.001]
     for j, t in enumerate(range(64, 104, 5)):
         sc.record(t, 0.3 + 0.005 * (t - 64) + noise[j], num_reqs=64)
-    a, b = sc._line(64)
-    assert a == pytest.approx(0.3, abs=0.005) and b == pytest.approx(0.005, rel=0.1)
-    assert sc.costs(64, [90])[0] == pytest.approx(a + b * 26)  # unseen here, within what was seen
+    line = sc._line(64)
+    assert line.a == pytest.approx(0.3, abs=0.005) and line.b_row == pytest.approx(0.005, rel=0.1)
+    assert sc.costs(64, [90])[0] == pytest.approx(line(64, 90, 90))  # unseen here, within what was seen
     assert sc.costs(32, [100])[0] == pytest.approx(0.1)  # 32 requests: too few steps for a line
     sc.record(90, 0.2, num_reqs=64), sc.record(90, 0.2, num_reqs=64)
     assert sc.costs(64, [90])[0] == pytest.approx(0.2)  # seen twice here: its own median
-    a, b = sc._line(64)  # the two steps at 90 joined it
-    assert sc.costs(64, [200])[0] == pytest.approx(a + b * 136)  # past them too: dearer than the shape
+    line = sc._line(64)  # the two steps at 90 joined it
+    assert sc.costs(64, [200])[0] == pytest.approx(line(64, 200, 200))  # past them too: dearer than the shape
     # one request, memory-bound: 1-3 tokens cost the same, a flat line; the profile has a knee
     # past 8 tokens, and past the widest count seen here its shape prices 32 tokens at 4 steps
     knee = C.StepCost(CostProfile([1, 4, 8, 64], [1.0, 1.0, 1.0, 8.0]))
     for t in (1, 2, 3) * 3:
         knee.record(t, 1.0, num_reqs=1)
-    assert knee._line(1) == pytest.approx((1.0, 0.0))
+    assert (knee._line(1).a, knee._line(1).b_row) == pytest.approx((1.0, 0.0))
     assert knee.costs(1, [32])[0] == pytest.approx(4.0)
     fewer = C.StepCost(prof)
     for t in range(64, 64 + C.StepCost.MIN_FIT - 1):
@@ -570,6 +570,36 @@ def test_step_cost_prices_counts_unseen_at_a_batch_size_by_the_line_through_its_
     for _ in range(C.StepCost.MIN_FIT):
         flat.record(64, 1.0, num_reqs=64)
     assert flat._line(64) is None  # one count says nothing of a slope
+
+
+def test_step_cost_line_pools_a_bin_of_batch_sizes_and_prices_nodes_apart_from_riders():
+    """At 64 streams the batch wanders over 57-64 and most steps carry prompt chunks, so no one
+    batch size sees enough steps for a line of its own; the bin's steps do. Their body is
+    a + c N + b_row (nodes) + b_pad (riding prompt tokens): the line recovers both slopes, prices
+    a plan unseen at its batch size by them, and while no step verified a node, a node's body
+    costs what a riding token's does (not nothing)."""
+    a, c, b_row, b_pad = 0.02, 0.003, 0.005, 0.002
+    gen = torch.Generator().manual_seed(0)
+    sc = C.StepCost(CostProfile([1, 64], [1.0, 64.0]))  # no head cost: the body is the step
+    only_prompts = C.StepCost(CostProfile([1, 64], [1.0, 64.0]))
+    for i in range(40):
+        n = 57 + i % 8
+        nodes = [0, 0, 7, 17, 30][i % 5]
+        prompt = [0, 40, 128, 256][(i // 5) % 4]
+        noise = 0.002 * float(torch.randn((), generator=gen))
+        sc.record(n + nodes + prompt, a + c * n + b_row * nodes + b_pad * prompt + noise, n + nodes, n)
+        only_prompts.record(n + prompt, a + c * n + b_pad * prompt + noise, n, n)
+    assert sc._line(57) == sc._line(64)  # one bin: 5 steps at each batch size, 40 in all
+    line = sc._line(64)
+    assert line.b_row == pytest.approx(b_row, rel=0.1) and line.b_pad == pytest.approx(b_pad, rel=0.1)
+    assert line.c == pytest.approx(c, rel=0.35)
+    plan = sc.costs(61, [61 + 13], [61 + 13])[0]  # 61 requests never verified 13 nodes
+    assert plan == pytest.approx(a + c * 61 + b_row * 13, rel=0.03)
+    riding = sc.costs(61, [61 + 13 + 100], [61 + 13])[0]
+    assert riding - plan == pytest.approx(100 * b_pad, rel=0.15)
+    cold = only_prompts._line(64)
+    assert cold.b_row == cold.b_pad == pytest.approx(b_pad, rel=0.1)
+    assert C.StepCost(CostProfile([1, 64], [1.0, 64.0]))._line(64) is None
 
 
 def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():

@@ -268,6 +268,54 @@ class DraftCost:
         return statistics.median(self.samples[known[0]]) if known else 0.0
 
 
+def batch_bin(num_reqs: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, ..., 33-64, ... as bins 0, 1, 2, 3, ..."""
+    return (num_reqs - 1).bit_length()
+
+
+@dataclass
+class BodyLine:
+    """body = a + c N + b_row (rows - N) + b_pad (T - rows) (StepCost's line), and the most tokens
+    beyond one per request that its steps had (`widest`)."""
+
+    a: float
+    c: float
+    b_row: float
+    b_pad: float
+    widest: int
+
+    def __call__(self, num_reqs: int, num_tokens: int, head_rows: int) -> float:
+        return (self.a + self.c * num_reqs + self.b_row * (head_rows - num_reqs)
+                + self.b_pad * (num_tokens - head_rows))
+
+    @classmethod
+    def fit(cls, pts: list[tuple[int, int, int, float]]) -> "BodyLine | None":
+        """Least squares over (requests, tokens, head rows, body) points; a term whose column
+        did not vary is left out, and so is one whose slope comes out negative (refitted without
+        it); a token slope left out is the other one (a node's body costs what a riding prompt
+        token's does, so nodes are not free in the first steps of a load where only prompts came
+        and went), and with every token slope negative the line is flat. None when no token count
+        varied."""
+        y = torch.tensor([p[3] for p in pts], dtype=torch.float64)
+        cols = {"c": [p[0] for p in pts], "b_row": [p[2] - p[0] for p in pts], "b_pad": [p[1] - p[2] for p in pts]}
+        terms = [k for k, v in cols.items() if max(v) > min(v)]
+        if not {"b_row", "b_pad"} & set(terms):
+            return None
+        while True:
+            X = torch.tensor([[1.0] * len(pts)] + [cols[k] for k in terms], dtype=torch.float64).T
+            coef = torch.linalg.lstsq(X, y[:, None], driver="gelsd").solution[:, 0].tolist()
+            slopes = dict(zip(terms, coef[1:]))
+            worst = min(terms, key=slopes.__getitem__, default=None)
+            if worst is None or slopes[worst] >= -1e-12:
+                break
+            terms.remove(worst)
+        slopes = {k: max(0.0, v) for k, v in slopes.items()}
+        if not {"b_row", "b_pad"} & set(slopes):  # every token slope came out negative: a flat line
+            slopes["b_row"] = slopes["b_pad"] = 0.0
+        b_row = slopes.get("b_row", slopes.get("b_pad"))
+        return cls(coef[0], slopes.get("c", 0.0), b_row, slopes.get("b_pad", b_row), max(p[1] - p[0] for p in pts))
+
+
 class StepCost:
     """Seconds of a decode step after drafting (verify forward, LM head, verification, KV commit,
     output), as the engine really ran them, at N requests: the body of the forward and the rest
@@ -295,14 +343,32 @@ class StepCost:
     shape from there; below the smallest, the profile's shape, at most that count's cost. With
     nothing seen, the profile itself.
 
-    Before that rule, a line for what this batch size has not seen twice: once it has MIN_FIT fresh
-    steps over two counts or more, an unseen count T costs body = a + b (T - N), least squares over
-    those steps (b >= 0), and past the largest count seen here at least what the rule above says.
-    Plans of varying size seldom fill one count twice, so before the line the price of an unseen
-    count came from other batch sizes' counts and the profile's shape. At 64 requests on an AVX2
-    EPYC that priced a verified node at 0.2-4.2 ms where it cost 5.2 ms, as much as a decode
-    token (`benchmarks/node_cost.py`), and the policy ran 0.76x plain decoding where the line
-    ran 0.96x; at 8 requests, 1.12x against 1.22x (`benchmarks/slope_ab.py`, session 27).
+    Before that rule, a line for what this batch size has not seen twice, fitted over the recent
+    steps of its bin (batch sizes 1, 2, 3-4, 5-8, ..., 33-64, as `RealizedGain` bins them):
+    body = a + c N + b_row (rows - N) + b_pad (T - rows), least squares (a slope that comes out
+    negative is left out), where rows - N are the forward's tokens beyond the roots that the LM
+    head also reads (the admitted nodes) and T - rows the ones it does not (prompt chunks riding
+    along, a padded window's padding); a term whose tokens did not vary is left out too. It
+    prices an unseen count once the bin has MIN_FIT fresh steps that varied in something beside
+    N, and past the widest seen there at least what the rule above says.
+
+    Why a bin's line and not a batch size's: at 64 streams the batch wanders over 57-64 as
+    requests finish and others are admitted, and nearly every step carries some prompt, so one
+    batch size seldom saw MIN_FIT steps, and for most of a level its plans were priced from the
+    profile, whose step of 64 tokens (511 ms, measured in a slow minute) was 1.4x the 358 ms that
+    plain steps took there, while it priced a node at 5.3 ms where nodes cost 5.8-12 ms: the
+    policy verified plans predicted 1.05-1.3x plain decoding that ran at 0.7-0.9x, and the level
+    at 0.83x plain decoding (session 31, first round; `benchmarks/inprocess_trace.py`). Why two
+    slopes: a node also costs an LM head row (2.5-2.9 ms at 64 rows there) and a riding prompt
+    token does not, and the head's profile price (3.7 ms a row) is not what the head costs live;
+    with the body fitted apart for the two kinds of token, what a node adds is what nodes
+    added, whatever the profile says of the head.
+    Before the line pooled a bin, it fitted one batch size's steps (body = a + b (T - N)): plans
+    of varying size seldom fill one count twice, and the price of an unseen count came from other
+    batch sizes' counts and the profile's shape; at 64 requests on an AVX2 EPYC that priced a
+    verified node at 0.2-4.2 ms where it cost 5.2 ms, as much as a decode token
+    (`benchmarks/node_cost.py`), and the policy ran 0.76x plain decoding where the line ran
+    0.96x; at 8 requests, 1.12x against 1.22x (`benchmarks/slope_ab.py`, session 27).
 
     An earlier version was optimistic past the largest seen count (the lower of the profile's
     shape and the straight line through the smallest and largest seen counts), so that a window
@@ -314,7 +380,8 @@ class StepCost:
     """
 
     MIN_SEEN = 2
-    MIN_FIT = 8  # steps at one batch size before its line prices the counts it has not seen twice
+    MIN_FIT = 8  # steps in a batch-size bin before its line prices the counts it has not seen twice
+    KEEP = 128  # steps kept per bin for its line
     FORGET_AFTER = 256  # steps: an older time no longer counts (see below)
 
     def __init__(self, profile: CostProfile, window: int = 16):
@@ -323,15 +390,19 @@ class StepCost:
         self.steps = 0  # steps recorded so far: the clock samples are stamped with
         self.seen: dict[int, deque[tuple[int, float]]] = {}  # tokens in the forward -> (step, seconds less the head)
         self.seen_at: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (requests, tokens) -> the same
+        self.by_bin: dict[int, deque[tuple[int, int, int, int, float]]] = {}  # bin -> (step, requests, tokens, head rows, body)
 
     def record(self, num_tokens: int, seconds: float, head_rows: int | None = None, num_reqs: int | None = None) -> None:
         """A step of num_reqs requests whose forward carried num_tokens tokens and whose LM head
         had head_rows rows (default: all of them) took `seconds` after drafting."""
-        body = max(0.0, seconds - self.profile.head_cost(num_tokens if head_rows is None else head_rows))
+        rows = num_tokens if head_rows is None else head_rows
+        body = max(0.0, seconds - self.profile.head_cost(rows))
         self.steps += 1
         self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append((self.steps, body))
         if num_reqs:
             self.seen_at.setdefault((num_reqs, num_tokens), deque(maxlen=self.window)).append((self.steps, body))
+            self.by_bin.setdefault(batch_bin(num_reqs), deque(maxlen=self.KEEP)).append(
+                (self.steps, num_reqs, num_tokens, rows, body))
 
     def _median(self, samples: deque | None) -> float | None:
         """The median of a bin's times from the last FORGET_AFTER steps, None with fewer than MIN_SEEN.
@@ -365,32 +436,28 @@ class StepCost:
         # this batch size's own medians, once per call (at 64 requests a plan prices ~450 budgets)
         here_at = {t: m for (n, t), q in self.seen_at.items() if n == num_reqs and (m := self._median(q)) is not None}
         line = self._line(num_reqs)
-        widest_here = max((t for (n, t) in self.seen_at if n == num_reqs), default=0)
         out: list[float] = []
         for i, T in enumerate(tokens):
+            rows = T if head_rows is None else head_rows[i]
             body = here_at.get(T)
             if body is None:
                 tiled = self.profile.tiles(T)
                 body = self._estimate(tiled, known, med)
                 if line is not None:
-                    a, b = line
-                    fit = max(0.0, a + b * (tiled - num_reqs))
-                    body = fit if T <= widest_here else max(fit, body)
-            cost = body + self.profile.head_cost(T if head_rows is None else head_rows[i])
+                    fit = max(0.0, line(num_reqs, tiled, rows))
+                    body = fit if T - num_reqs <= line.widest else max(fit, body)
+            cost = body + self.profile.head_cost(rows)
             out.append(max(cost, out[-1] if out else 0.0))
         return out
 
-    def _line(self, num_reqs: int) -> tuple[float, float] | None:
-        """(a, b) of body = a + b (T - num_reqs), least squares over this batch size's steps of
-        the last FORGET_AFTER, with b >= 0; None with fewer than MIN_FIT of them or one count only."""
-        pts = [(t - num_reqs, s) for (n, t), q in self.seen_at.items() if n == num_reqs
-               for at, s in q if self.steps - at < self.FORGET_AFTER]
-        if len(pts) < self.MIN_FIT or len({x for x, _ in pts}) < 2:
+    def _line(self, num_reqs: int) -> "BodyLine | None":
+        """The line through the recent steps of this batch size's bin (see the class docstring);
+        None with fewer than MIN_FIT of them from the last FORGET_AFTER steps, or when nothing
+        but the batch size varied."""
+        pts = [p[1:] for p in self.by_bin.get(batch_bin(num_reqs), ()) if self.steps - p[0] < self.FORGET_AFTER]
+        if len(pts) < self.MIN_FIT:
             return None
-        mx = sum(x for x, _ in pts) / len(pts)
-        my = sum(y for _, y in pts) / len(pts)
-        b = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
-        return my - b * mx, b
+        return BodyLine.fit(pts)
 
     def _estimate(self, num_tokens: int, known: list[int], med: dict[int, float]) -> float:
         prof = self.profile.body_cost

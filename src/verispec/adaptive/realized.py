@@ -36,6 +36,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from .costs import batch_bin
+
 
 class RealizedGain:
     MIN_PLANS = 8  # records in a bin before its overshoot counts
@@ -47,29 +49,25 @@ class RealizedGain:
         self._plans: dict[tuple[int, bool], deque[tuple[int, float, float]]] = {}  # (bin, riders) -> (step, predicted, realized)
         self._plain: dict[int, deque[tuple[int, float]]] = {}  # bin -> (step, seconds per request)
 
-    @staticmethod
-    def bin(num_reqs: int) -> int:
-        return (num_reqs - 1).bit_length()
-
     def plain(self, step: int, num_reqs: int, seconds: float) -> None:
         """A quiet step (no prompt chunk riding along) that verified nothing took `seconds` after drafting."""
-        self._plain.setdefault(self.bin(num_reqs), deque(maxlen=self.KEEP)).append((step, seconds / num_reqs))
+        self._plain.setdefault(batch_bin(num_reqs), deque(maxlen=self.KEEP)).append((step, seconds / num_reqs))
 
     def plain_seconds(self, step: int, num_reqs: int) -> float | None:
         """Seconds a plain step of num_reqs requests takes by this bin's recent plain steps; None
         with fewer than MIN_PLAIN of them in the last FORGET steps."""
-        fresh = [s for at, s in self._plain.get(self.bin(num_reqs), ()) if step - at < self.FORGET]
+        fresh = [s for at, s in self._plain.get(batch_bin(num_reqs), ()) if step - at < self.FORGET]
         return num_reqs * statistics.median(fresh) if len(fresh) >= self.MIN_PLAIN else None
 
     def record(self, step: int, num_reqs: int, predicted: float, realized: float, riders: bool = False) -> None:
-        key = (self.bin(num_reqs), riders)
+        key = (batch_bin(num_reqs), riders)
         self._plans.setdefault(key, deque(maxlen=self.KEEP)).append((step, predicted, realized))
 
     def overshoot(self, step: int, num_reqs: int, riders: bool = False) -> float:
         """The median of predicted minus realized gain over this batch size's bin, quiet steps or
         those with riders (records from the last FORGET steps; 0 with fewer than MIN_PLANS of
         them, and never below 0)."""
-        fresh = [p - r for at, p, r in self._plans.get((self.bin(num_reqs), riders), ()) if step - at < self.FORGET]
+        fresh = [p - r for at, p, r in self._plans.get((batch_bin(num_reqs), riders), ()) if step - at < self.FORGET]
         if len(fresh) < self.MIN_PLANS:
             return 0.0
         return max(0.0, statistics.median(fresh))
