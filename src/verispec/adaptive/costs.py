@@ -244,8 +244,8 @@ def load_or_measure(model, max_tokens: int, max_batch: int, progress=None) -> Co
 
 
 class DraftCost:
-    """Running median of the drafter's proposal seconds per batch-size bucket (powers of two),
-    forced monotone across buckets when read."""
+    """Running median of a look's seconds (the drafter's proposal and the policy's planning) per
+    batch-size bucket (powers of two), forced monotone across buckets when read."""
 
     def __init__(self, window: int = 32):
         self.samples: dict[int, deque[float]] = {}
@@ -442,10 +442,12 @@ class StepCost:
             body = here_at.get(T)
             if body is None:
                 tiled = self.profile.tiles(T)
-                body = self._estimate(tiled, known, med)
-                if line is not None:
-                    fit = max(0.0, line(num_reqs, tiled, rows))
-                    body = fit if T - num_reqs <= line.widest else max(fit, body)
+                fit = None if line is None else max(0.0, line(num_reqs, tiled, rows))
+                if fit is not None and T - num_reqs <= line.widest:
+                    body = fit
+                else:
+                    body = self._estimate(tiled, known, med)
+                    body = body if fit is None else max(fit, body)
             cost = body + self.profile.head_cost(rows)
             out.append(max(cost, out[-1] if out else 0.0))
         return out
