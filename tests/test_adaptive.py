@@ -28,6 +28,7 @@ from verispec.adaptive.policy import AdaptiveDraftLength
 from verispec.adaptive.planner import (argmax, best_width, budget_throughput, first_peak, keep, keep_best,
                                       plan_greedy, ranked_survival, throughput)
 from verispec.adaptive.policy import observations
+from verispec.adaptive.realized import RealizedGain
 from verispec.drafters import Draft, ModelDrafter, NgramDrafter
 from verispec.engine import Engine, EngineConfig
 from verispec.sampling import SamplingParams
@@ -712,53 +713,12 @@ def test_a_plan_must_beat_plain_decoding_by_the_margin(planner):
         assert len(out[0].tokens) == verified, chance
 
 
-def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monkeypatch):
-    """The margin test's node at chance 0.58 (predicted 5% faster than plain decoding) is verified
-    while its steps run as priced; after 8 of them each took 3 plain steps' time (realized gain
-    1/3), it is not, at that batch size; 256 steps after the last record it is verified again.
-    A step with prompt chunks riding along is on record apart."""
+def _one_request_on_a_clock(monkeypatch):
+    """The margin test's request (one node at chance 0.58, predicted 5% faster than plain
+    decoding, at a 2-token verify priced 1.5 plain steps) under a fake clock: the policy, and
+    step(seconds, riders=0, draft=True), which runs one step that takes `seconds` and returns how
+    many nodes it verified."""
     from verispec.adaptive import policy as P
-    from verispec.adaptive.realized import RealizedGain
-    from verispec.sequence import Sequence
-
-    clock = [0.0]
-    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
-    policy = AdaptiveDraftLength(CostProfile([1, 2], [1.0, 1.5]), max_depth=1)
-    policy.step_cost.record = lambda *a, **kw: None
-    policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-    policy.estimator.observe = lambda *a, **kw: None  # the confidence stays 0.58
-    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=10_000), torch.Generator(), num_draft_tokens=1)
-
-    def step(seconds: float, riders: int = 0) -> int:
-        policy.budgets([seq], 1)
-        policy._probe = False
-        if riders:
-            policy.riders(riders, 1)
-        out = policy.admit([seq], [Draft([4], features=[[logit_(0.58)]])], 0.0)
-        clock[0] += seconds
-        policy.observe([seq], out, [Verdict([7], 0)])
-        return len(out[0].tokens)
-
-    assert step(1.5) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # one record: not yet
-    for _ in range(RealizedGain.MIN_PLANS - 2):
-        assert step(3.0) == 1
-    assert step(3.0, riders=4) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # on record apart: 7 records
-    assert step(3.0) == 1  # the 8th
-    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(1.053 - 1 / 3, abs=0.01)
-    assert policy.realized.overshoot(policy.steps, 2) == 0.0  # another batch size's bin
-    assert step(1.0) == 0
-    policy.steps += RealizedGain.FORGET
-    assert step(1.5) == 1
-
-
-def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_riders_keep_their_own(monkeypatch):
-    """Plain decoding, priced 1.0 s a step, ran 0.4 s in the quiet steps that verified nothing
-    (once 4 are on record; a step with prompt chunks riding along is not one of them): plans whose
-    steps took 1.5 s for one token realized 0.4 / 1.5 of plain decoding's speed, not 1 / 1.5.
-    Plans on steps with riders are on record apart, their time less the riders' priced part
-    (2.0 s of a 3.5 s step)."""
-    from verispec.adaptive import policy as P
-    from verispec.adaptive.realized import RealizedGain
     from verispec.sequence import Sequence
 
     clock = [0.0]
@@ -778,6 +738,36 @@ def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_ri
         clock[0] += seconds
         policy.observe([seq], out, [Verdict([7], 0)])
         return len(out[0].tokens)
+
+    return policy, step
+
+
+def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monkeypatch):
+    """The margin test's node at chance 0.58 (predicted 5% faster than plain decoding) is verified
+    while its steps run as priced; after 8 of them each took 3 plain steps' time (realized gain
+    1/3), it is not, at that batch size; 256 steps after the last record it is verified again.
+    A step with prompt chunks riding along is on record apart."""
+    policy, step = _one_request_on_a_clock(monkeypatch)
+
+    assert step(1.5) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # one record: not yet
+    for _ in range(RealizedGain.MIN_PLANS - 2):
+        assert step(3.0) == 1
+    assert step(3.0, riders=4) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # on record apart: 7 records
+    assert step(3.0) == 1  # the 8th
+    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(1.053 - 1 / 3, abs=0.01)
+    assert policy.realized.overshoot(policy.steps, 2) == 0.0  # another batch size's bin
+    assert step(1.0) == 0
+    policy.steps += RealizedGain.FORGET
+    assert step(1.5) == 1
+
+
+def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_riders_keep_their_own(monkeypatch):
+    """Plain decoding, priced 1.0 s a step, ran 0.4 s in the quiet steps that verified nothing
+    (once 4 are on record; a step with prompt chunks riding along is not one of them): plans whose
+    steps took 1.5 s for one token realized 0.4 / 1.5 of plain decoding's speed, not 1 / 1.5.
+    Plans on steps with riders are on record apart, their time less the riders' priced part
+    (2.0 s of a 3.5 s step)."""
+    policy, step = _one_request_on_a_clock(monkeypatch)
 
     for _ in range(RealizedGain.MIN_PLAIN - 1):
         step(0.4, draft=False)
