@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -244,8 +245,8 @@ def load_or_measure(model, max_tokens: int, max_batch: int, progress=None) -> Co
 
 
 class DraftCost:
-    """Running median of a look's seconds (the drafter's proposal and the policy's planning) per
-    batch-size bucket (powers of two), forced monotone across buckets when read."""
+    """Running median of the drafter's proposal seconds per batch-size bucket (powers of two),
+    forced monotone across buckets when read."""
 
     def __init__(self, window: int = 32):
         self.samples: dict[int, deque[float]] = {}
@@ -296,14 +297,14 @@ class BodyLine:
         token's does, so nodes are not free in the first steps of a load where only prompts came
         and went), and with every token slope negative the line is flat. None when no token count
         varied."""
-        y = torch.tensor([p[3] for p in pts], dtype=torch.float64)
+        y = np.array([p[3] for p in pts], dtype=np.float64)
         cols = {"c": [p[0] for p in pts], "b_row": [p[2] - p[0] for p in pts], "b_pad": [p[1] - p[2] for p in pts]}
         terms = [k for k, v in cols.items() if max(v) > min(v)]
         if not {"b_row", "b_pad"} & set(terms):
             return None
         while True:
-            X = torch.tensor([[1.0] * len(pts)] + [cols[k] for k in terms], dtype=torch.float64).T
-            coef = torch.linalg.lstsq(X, y[:, None], driver="gelsd").solution[:, 0].tolist()
+            X = np.array([[1.0] * len(pts)] + [cols[k] for k in terms], dtype=np.float64).T
+            coef = np.linalg.lstsq(X, y, rcond=None)[0].tolist()
             slopes = dict(zip(terms, coef[1:]))
             worst = min(terms, key=slopes.__getitem__, default=None)
             if worst is None or slopes[worst] >= -1e-12:
@@ -391,6 +392,7 @@ class StepCost:
         self.seen: dict[int, deque[tuple[int, float]]] = {}  # tokens in the forward -> (step, seconds less the head)
         self.seen_at: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (requests, tokens) -> the same
         self.by_bin: dict[int, deque[tuple[int, int, int, int, float]]] = {}  # bin -> (step, requests, tokens, head rows, body)
+        self._cached: tuple = (-1, {}, [], {})  # (steps, medians by tokens, their counts, lines by bin) as of `steps`
 
     def record(self, num_tokens: int, seconds: float, head_rows: int | None = None, num_reqs: int | None = None) -> None:
         """A step of num_reqs requests whose forward carried num_tokens tokens and whose LM head
@@ -431,11 +433,14 @@ class StepCost:
         """Seconds for steps of num_reqs requests whose forwards carry tokens[i] tokens (rising)
         and whose LM heads get head_rows[i] rows (default: all of them), monotone in i. The medians
         are taken once per call (once per step)."""
-        med = {t: m for t, q in self.seen.items() if (m := self._median(q)) is not None}
-        known = sorted(med)
+        if self._cached[0] != self.steps:  # the medians and lines change only with a step recorded
+            med = {t: m for t, q in self.seen.items() if (m := self._median(q)) is not None}
+            self._cached = (self.steps, med, sorted(med), {})
+        _, med, known, lines = self._cached
         # this batch size's own medians, once per call (at 64 requests a plan prices ~450 budgets)
         here_at = {t: m for (n, t), q in self.seen_at.items() if n == num_reqs and (m := self._median(q)) is not None}
-        line = self._line(num_reqs)
+        b = batch_bin(num_reqs)
+        line = lines[b] if b in lines else lines.setdefault(b, self._line(num_reqs))
         out: list[float] = []
         for i, T in enumerate(tokens):
             rows = T if head_rows is None else head_rows[i]
