@@ -432,7 +432,8 @@ class StepCost:
     def costs(self, num_reqs: int, tokens: list[int], head_rows: list[int] | None = None) -> list[float]:
         """Seconds for steps of num_reqs requests whose forwards carry tokens[i] tokens (rising)
         and whose LM heads get head_rows[i] rows (default: all of them), monotone in i. The medians
-        are taken once per call (once per step)."""
+        by token count and the bins' lines are computed once per recorded step (several calls
+        price one step's plans); this batch size's own medians once per call."""
         if self._cached[0] != self.steps:  # the medians and lines change only with a step recorded
             med = {t: m for t, q in self.seen.items() if (m := self._median(q)) is not None}
             self._cached = (self.steps, med, sorted(med), {})
