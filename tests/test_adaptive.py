@@ -762,15 +762,19 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
 
 
 def test_a_batch_size_whose_plans_lately_lost_takes_none_and_drafts_only_on_probes(monkeypatch):
-    """8 plans predicted 5% faster than plain decoding ran at its speed (realized 1.0, short of
-    the 3% margin). A node at chance 0.9, predicted 27% faster, beats the margin plus their
-    overshoot (5%), but plans at this batch size lately lost, so it is not verified, and the
-    cheap drafter drafts nothing there but on a probe. Plans on steps with riders are on record
-    apart and still taken; once the first record is 256 steps old, the bin plans again."""
+    """Plans ran at plain decoding's speed (realized 1.0, short of the 3% margin): 8 predicted 5%
+    faster, then 4 at chance 0.9, predicted 27% faster, which beat the margin plus the median
+    overshoot (5%). With 12 such records, plans at this batch size lately lost: the next node at
+    chance 0.9 is not verified, and the cheap drafter drafts nothing there but on a probe. Plans
+    on steps with riders are on record apart and still taken; once the first record is 256 steps
+    old, the bin plans again."""
     policy, seq, step = _one_request_on_a_clock(monkeypatch)
 
     for _ in range(RealizedGain.MIN_PLANS):
         assert step(1.0) == 1
+    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(0.053, abs=0.01)
+    for _ in range(RealizedGain.MIN_LOSING - RealizedGain.MIN_PLANS):
+        assert step(1.0, chance=0.9) == 1
     assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(0.053, abs=0.01)
     assert step(1.0, chance=0.9) == 0
     assert step(1.0, chance=0.9, riders=4) == 1

@@ -26,7 +26,7 @@ the price inflates the predicted and the realized gain alike, and the overshoot,
 then falls short of what the prediction exceeds by.
 
 A bin whose plans lately did not beat plain decoding by the margin (the median realized gain of
-MIN_PLANS fresh records below 1 + margin: `losing`) takes no plan at all, whatever it promises,
+MIN_LOSING fresh records below 1 + margin: `losing`) takes no plan at all, whatever it promises,
 and a cheap drafter does not draft there except on probes, until those records lapse. Where
 every verified node costs about what a request's plain step does (64 streams on the 2-core AVX2
 EPYC: 5.7 ms against 6.2), plans accepted 83-94% of the time realized a median 0.92-0.99x plain
@@ -51,6 +51,9 @@ from .costs import batch_bin
 
 class RealizedGain:
     MIN_PLANS = 8  # records in a bin before its overshoot counts
+    MIN_LOSING = 12  # records before a bin's realized gain can stop its plans (`losing`): one noisy
+    # record counts less; replayed on session 31's traces (benchmarks/gate_replay.py), 8 closed the 16-stream level in one round
+    # on plans that paid (2.9% of its time), 12 nowhere below 32 streams
     MIN_PLAIN = 4  # plain steps in a bin before their speed is the reference
     KEEP = 32  # records kept per bin
     FORGET = 256  # steps a record counts for
@@ -82,14 +85,14 @@ class RealizedGain:
 
     def losing(self, step: int, num_reqs: int, riders: bool, margin: float) -> bool:
         """Whether this bin's plans, on steps with riders or without as asked, lately realized a
-        median gain below 1 + margin (False with fewer than MIN_PLANS fresh records)."""
+        median gain below 1 + margin (False with fewer than MIN_LOSING fresh records)."""
         fresh = self._fresh(step, num_reqs, riders)
-        return len(fresh) >= self.MIN_PLANS and statistics.median(r for _, r in fresh) < 1 + margin
+        return len(fresh) >= self.MIN_LOSING and statistics.median(r for _, r in fresh) < 1 + margin
 
     def closed(self, step: int, num_reqs: int, margin: float) -> bool:
-        """Whether nothing is worth drafting for at this batch size: the bin has MIN_PLANS fresh
+        """Whether nothing is worth drafting for at this batch size: the bin has MIN_LOSING fresh
         records, on steps with riders or without, and every such set is `losing`."""
-        sets = [r for r in (False, True) if len(self._fresh(step, num_reqs, r)) >= self.MIN_PLANS]
+        sets = [r for r in (False, True) if len(self._fresh(step, num_reqs, r)) >= self.MIN_LOSING]
         return bool(sets) and all(self.losing(step, num_reqs, r, margin) for r in sets)
 
     def _fresh(self, step: int, num_reqs: int, riders: bool) -> list[tuple[float, float]]:
