@@ -6,7 +6,9 @@ at exit or on SIGTERM, with one record per engine step:
     t (perf_counter at the step's start: CLOCK_MONOTONIC, comparable across processes), method
     (the engine's: plain or drafter@k=K@policy, and #its number in this process),
     s (seconds), kind (decode / prefill), n (running requests), prompt (prompt tokens in the
-    step), emitted (decode tokens), head_s / head_rows (the LM head call);
+    step), emitted (decode tokens), head_s / head_rows (the LM head call), gc_s / gc_full (the
+    seconds of Python's garbage collections, on any thread, and the full ones among them, while
+    the step ran);
     under the adaptive policy: drafted / admitted / accepted nodes, draft_s, probe, predicted
     (the plan's predicted throughput over plain decoding's), cost_plan / cost_plain (their priced
     seconds), expected (accepted tokens the plan expected), head_priced (the profile's head cost);
@@ -22,6 +24,7 @@ its OpenMP waits before torch loads). Read by `benchmarks/sweep_trace.py`.
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib.abc
 import json
 import os
@@ -35,6 +38,16 @@ CURRENT: list = [None]
 LEVELS: list[dict] = []
 WRITTEN: list = []
 ENGINES = [0]  # engines seen so far (`_method`)
+GC = {"seconds": 0.0, "full": 0, "since": None}  # collections so far (`_on_gc`)
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        GC["since"] = time.perf_counter()
+    elif GC["since"] is not None:
+        GC["seconds"] += time.perf_counter() - GC["since"]
+        GC["full"] += info.get("generation") == 2
+        GC["since"] = None
 
 
 def _patch_engine(mod) -> None:
@@ -45,8 +58,10 @@ def _patch_engine(mod) -> None:
         t = time.perf_counter()
         rec = {"t": t, "kind": "decode", "n": len(seqs), "prompt": sum(len(c[2]) for c in chunks[0]), "method": _method(self)}
         CURRENT[0] = self._trace_rec = rec
+        gc_s, gc_full = GC["seconds"], GC["full"]
         events = decode(self, seqs, chunks)
         rec["s"] = time.perf_counter() - t
+        rec["gc_s"], rec["gc_full"] = GC["seconds"] - gc_s, GC["full"] - gc_full
         ids = {id(q) for q in seqs}  # not the first tokens of prompts that ended in this step
         rec["emitted"] = sum(len(e.new_tokens) for e in events if id(e.seq) in ids)
         RECORDS.append(rec)
@@ -195,6 +210,7 @@ def _on_sigterm(sig, frame) -> None:
 
 
 if OUT:
+    gc.callbacks.append(_on_gc)
     sys.meta_path.insert(0, _Hook())
     atexit.register(_write)
     signal.signal(signal.SIGTERM, _on_sigterm)
