@@ -1,6 +1,7 @@
 """Replay a traced in-process sweep (`benchmarks/step_trace`, see `inprocess_trace.py`) under the
-realized-gain gate of `verispec.adaptive.realized.RealizedGain.losing`: which of the adaptive
-policy's plan steps the gate would have refused, and what that would have saved or lost.
+realized-gain gate tried in session 32 (a bin whose last plans realized a median under 1 + margin
+takes none; reverted: see `verispec/adaptive/realized.py`): which of the adaptive policy's plan
+steps the gate would have refused, and what that would have saved or lost.
 
 A rough, offline estimate, to choose the gate's record count and threshold before spending a
 sweep on them. Plain decoding's steps at each level are fitted by least squares (seconds = a + b N

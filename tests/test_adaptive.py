@@ -761,31 +761,6 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
     assert step(1.5) == 1
 
 
-def test_a_batch_size_whose_plans_lately_lost_takes_none_and_drafts_only_on_probes(monkeypatch):
-    """Plans ran at plain decoding's speed (realized 1.0, short of the 3% margin): 8 predicted 5%
-    faster, then 4 at chance 0.9, predicted 27% faster, which beat the margin plus the median
-    overshoot (5%). With 12 such records, plans at this batch size lately lost: the next node at
-    chance 0.9 is not verified, and the cheap drafter drafts nothing there but on a probe. Plans
-    on steps with riders are on record apart and still taken; once the first record is 256 steps
-    old, the bin plans again."""
-    policy, seq, step = _one_request_on_a_clock(monkeypatch)
-
-    for _ in range(RealizedGain.MIN_PLANS):
-        assert step(1.0) == 1
-    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(0.053, abs=0.01)
-    for _ in range(RealizedGain.MIN_LOSING - RealizedGain.MIN_PLANS):
-        assert step(1.0, chance=0.9) == 1
-    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(0.053, abs=0.01)
-    assert step(1.0, chance=0.9) == 0
-    assert step(1.0, chance=0.9, riders=4) == 1
-    budgets = [policy.budgets([seq], 1)[0] for _ in range(AdaptiveDraftLength.PROBE_MAX)]
-    drafting = [i for i, b in enumerate(budgets) if b]
-    assert drafting[:5] == [8, 16, 32, 64, 128]  # probes only, ever rarer
-    lapsed = policy.steps - len(budgets) + 1 + drafting[5]  # then every step: the first record (step 1) lapsed
-    assert all(budgets[drafting[5]:]) and lapsed == 1 + RealizedGain.FORGET
-    assert step(1.0, chance=0.9) == 1
-
-
 def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_riders_keep_their_own(monkeypatch):
     """Plain decoding, priced 1.0 s a step, ran 0.4 s in the quiet steps that verified nothing
     (once 4 are on record; a step with prompt chunks riding along is not one of them): plans whose

@@ -154,8 +154,6 @@ class AdaptiveDraftLength:
             self._next_probe = self.steps + self._probe_every
         if self.width is None or self._probe:
             adaptive_cap = cap
-        elif self.realized.closed(self.steps, n, self.MARGIN):  # plans at this load lately lost: probes only
-            self.width, adaptive_cap = 0, 0
         else:  # (the step cost, medians over every seen count, is read only when it decides)
             draft, step = self.draft_cost(n), self.step_cost(n)
             if draft <= self.CHEAP_DRAFT * step:
@@ -213,8 +211,7 @@ class AdaptiveDraftLength:
     def _choose(self, theta: list[float], exact: bool, num_reqs: int, riders: bool = False) -> int:
         """The planner's pick among the plans scored by theta (windows, or packed budgets); plain
         decoding (0) unless the pick beats it by MARGIN plus the recent overshoot of plans at this
-        batch size, on steps with riders or without as this one, and those plans did not lately
-        realize less than MARGIN over plain decoding (`RealizedGain`)."""
+        batch size, on steps with riders or without as this one (`RealizedGain`)."""
         if exact:
             choice = self._stale = argmax(theta)
         elif self.planner == "greedy":
@@ -224,7 +221,7 @@ class AdaptiveDraftLength:
             choice = best if self._stale is None else min(self._stale, len(theta) - 1)
             self._stale = best  # used next step only: its survivals are then history
         need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs, riders)
-        if not choice or theta[choice] < need * theta[0] or self.realized.losing(self.steps, num_reqs, riders, self.MARGIN):
+        if not choice or theta[choice] < need * theta[0]:
             return 0
         self._predicted = theta[choice] / theta[0]
         return choice

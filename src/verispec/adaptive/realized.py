@@ -25,15 +25,12 @@ where that price was high (at 64 streams, 7.3 ms a request where such steps ran 
 the price inflates the predicted and the realized gain alike, and the overshoot, a difference,
 then falls short of what the prediction exceeds by.
 
-A bin whose plans lately did not beat plain decoding by the margin (the median realized gain of
-MIN_LOSING fresh records below 1 + margin: `losing`) takes no plan at all, whatever it promises,
-and a cheap drafter does not draft there except on probes, until those records lapse. Where
-every verified node costs about what a request's plain step does (64 streams on the 2-core AVX2
-EPYC: 5.7 ms against 6.2), plans accepted 83-94% of the time realized a median 0.92-0.99x plain
-decoding whatever they predicted (1.04-1.21x), so the overshoot, a median difference, let the
-plans predicted above it through, at a loss much like the others' (session 31: the policy ran
-0.943x plain decoding at 64 streams, 9-62 plans a round). At 1-16 streams the same records had
-medians of 1.1-2.0x.
+A gate that stopped a bin's plans (and its drafting but on probes) once the median realized
+gain of its last 12 plans was under 1 + margin was tried in session 32: at 64 streams it brought
+the policy to 0.986 of plain decoding in process and 0.991 through the server, but at one stream
+a stretch of rejected plans closed it for up to 209 steps, across requests whose drafts would
+have paid, and the level fell to 0.94-0.95 of fixed k = 7; reverted (`benchmarks/gate_replay.py`
+replays traced sweeps under it).
 
 Steps with prompt chunks riding in the forward are kept apart (their own bins): the plan's share
 of such a step is the step less the riders' priced part, and how far that is off is its own
@@ -51,9 +48,6 @@ from .costs import batch_bin
 
 class RealizedGain:
     MIN_PLANS = 8  # records in a bin before its overshoot counts
-    MIN_LOSING = 12  # records before a bin's realized gain can stop its plans (`losing`): one noisy
-    # record counts less; replayed on session 31's traces (benchmarks/gate_replay.py), 8 closed the 16-stream level in one round
-    # on plans that paid (2.9% of its time), 12 nowhere below 32 streams
     MIN_PLAIN = 4  # plain steps in a bin before their speed is the reference
     KEEP = 32  # records kept per bin
     FORGET = 256  # steps a record counts for
@@ -82,18 +76,6 @@ class RealizedGain:
         them, and never below 0)."""
         fresh = self._fresh(step, num_reqs, riders)
         return max(0.0, statistics.median(p - r for p, r in fresh)) if len(fresh) >= self.MIN_PLANS else 0.0
-
-    def losing(self, step: int, num_reqs: int, riders: bool, margin: float) -> bool:
-        """Whether this bin's plans, on steps with riders or without as asked, lately realized a
-        median gain below 1 + margin (False with fewer than MIN_LOSING fresh records)."""
-        fresh = self._fresh(step, num_reqs, riders)
-        return len(fresh) >= self.MIN_LOSING and statistics.median(r for _, r in fresh) < 1 + margin
-
-    def closed(self, step: int, num_reqs: int, margin: float) -> bool:
-        """Whether nothing is worth drafting for at this batch size: the bin has MIN_LOSING fresh
-        records, on steps with riders or without, and every such set is `losing`."""
-        sets = [r for r in (False, True) if len(self._fresh(step, num_reqs, r)) >= self.MIN_LOSING]
-        return bool(sets) and all(self.losing(step, num_reqs, r, margin) for r in sets)
 
     def _fresh(self, step: int, num_reqs: int, riders: bool) -> list[tuple[float, float]]:
         """(predicted, realized) of the bin's records from the last FORGET steps."""
