@@ -715,9 +715,9 @@ def test_a_plan_must_beat_plain_decoding_by_the_margin(planner):
 
 def _one_request_on_a_clock(monkeypatch):
     """The margin test's request (one node at chance 0.58, predicted 5% faster than plain
-    decoding, at a 2-token verify priced 1.5 plain steps) under a fake clock: the policy, the
-    request, and step(seconds, riders=0, draft=True, chance=0.58), which runs one step that takes
-    `seconds` and returns how many nodes it verified."""
+    decoding, at a 2-token verify priced 1.5 plain steps) under a fake clock: the policy, and
+    step(seconds, riders=0, draft=True), which runs one step that takes `seconds` and returns how
+    many nodes it verified."""
     from verispec.adaptive import policy as P
     from verispec.sequence import Sequence
 
@@ -729,17 +729,17 @@ def _one_request_on_a_clock(monkeypatch):
     policy.estimator.observe = lambda *a, **kw: None  # the confidence stays 0.58
     seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=10_000), torch.Generator(), num_draft_tokens=1)
 
-    def step(seconds: float, riders: int = 0, draft: bool = True, chance: float = 0.58) -> int:
+    def step(seconds: float, riders: int = 0, draft: bool = True) -> int:
         policy.budgets([seq], 1)
         policy._probe = False
         if riders:
             policy.riders(riders, 1)
-        out = policy.admit([seq], [Draft([4], features=[[logit_(chance)]]) if draft else Draft([])], 0.0)
+        out = policy.admit([seq], [Draft([4], features=[[logit_(0.58)]]) if draft else Draft([])], 0.0)
         clock[0] += seconds
         policy.observe([seq], out, [Verdict([7], 0)])
         return len(out[0].tokens)
 
-    return policy, seq, step
+    return policy, step
 
 
 def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monkeypatch):
@@ -747,7 +747,7 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
     while its steps run as priced; after 8 of them each took 3 plain steps' time (realized gain
     1/3), it is not, at that batch size; 256 steps after the last record it is verified again.
     A step with prompt chunks riding along is on record apart."""
-    policy, _, step = _one_request_on_a_clock(monkeypatch)
+    policy, step = _one_request_on_a_clock(monkeypatch)
 
     assert step(1.5) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # one record: not yet
     for _ in range(RealizedGain.MIN_PLANS - 2):
@@ -767,7 +767,7 @@ def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_ri
     steps took 1.5 s for one token realized 0.4 / 1.5 of plain decoding's speed, not 1 / 1.5.
     Plans on steps with riders are on record apart, their time less the riders' priced part
     (2.0 s of a 3.5 s step)."""
-    policy, _, step = _one_request_on_a_clock(monkeypatch)
+    policy, step = _one_request_on_a_clock(monkeypatch)
 
     for _ in range(RealizedGain.MIN_PLAIN - 1):
         step(0.4, draft=False)
