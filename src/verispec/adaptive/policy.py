@@ -99,7 +99,7 @@ class AdaptiveDraftLength:
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
         self.realized = RealizedGain()  # plans' predicted against realized gain, per batch size
         self._predicted: float | None = None  # this step's plan's predicted gain, when it is checked (no probe)
-        self._draft_seconds = 0.0  # this step's drafting and planning time (a checked plan's realized gain counts it)
+        self._draft_seconds = 0.0  # this step's drafting time (a checked plan's realized gain counts it)
         self._share = 0.0  # the priced seconds of this step's riders (a checked plan's realized gain leaves them out)
         self._with_riders = False  # this step's forward carries prompt chunks
         self._quiet_plain = False  # this step verifies nothing and carries no riders: plain decoding's speed
@@ -168,7 +168,6 @@ class AdaptiveDraftLength:
         return out
 
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
-        t0 = time.perf_counter()
         self.last_drafted = sum(len(d.tokens) for d in drafts)
         n = len(seqs)
         riding, ends = self._riding
@@ -192,6 +191,7 @@ class AdaptiveDraftLength:
             kept = self._plan_window(surv, pins, drafts, exact)
         if self._probe or (riding and not packed):  # the plan's part of the step is not known: not checked
             self._predicted = None
+        self._draft_seconds = draft_seconds
         if self.width:  # a look (or a probe) that found a plan worth verifying
             self._look_wait = 1
         elif not self._probe:  # a fruitless look: the next one waits twice as long (capped where it is read)
@@ -203,9 +203,7 @@ class AdaptiveDraftLength:
         self.last_admitted = sum(len(d.tokens) for d in out)
         self._quiet_plain = not riding and not self.last_admitted
         tokens = n + self.last_admitted if packed else n * (1 + max(len(d.tokens) for d in out))
-        now = time.perf_counter()
-        self._draft_seconds = draft_seconds + now - t0  # a plan's realized gain pays for its planning too
-        self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, now)
+        self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, time.perf_counter())
         return out
 
     def _choose(self, theta: list[float], exact: bool, num_reqs: int, riders: bool = False) -> int:

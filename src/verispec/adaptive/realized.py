@@ -11,8 +11,8 @@ where the policy beat every fixed k (session 29: 1.07-1.12x the best at 1-4 stre
 
 So the policy keeps, per batch-size bin (1, 2, 3-4, 5-8, ..., 33-64), the recent non-probe plan
 steps: the step number, the predicted gain (the plan's expected tokens per second over plain
-decoding's, as priced) and the realized gain (the tokens the step emitted per second of drafting,
-planning and verifying, over plain decoding's). Once MIN_PLANS of the last FORGET steps are on record, the
+decoding's, as priced) and the realized gain (the tokens the step emitted per second of drafting
+and verifying, over plain decoding's). Once MIN_PLANS of the last FORGET steps are on record, the
 median overshoot (predicted minus realized) is what a plan's prediction must beat plain decoding
 by, on top of the margin. A bin whose plans stop being verified keeps no fresh records, so its
 overshoot lapses after FORGET steps and the policy tries again: at worst MIN_PLANS losing steps
@@ -74,9 +74,7 @@ class RealizedGain:
         """The median of predicted minus realized gain over this batch size's bin, quiet steps or
         those with riders (records from the last FORGET steps; 0 with fewer than MIN_PLANS of
         them, and never below 0)."""
-        fresh = self._fresh(step, num_reqs, riders)
-        return max(0.0, statistics.median(p - r for p, r in fresh)) if len(fresh) >= self.MIN_PLANS else 0.0
-
-    def _fresh(self, step: int, num_reqs: int, riders: bool) -> list[tuple[float, float]]:
-        """(predicted, realized) of the bin's records from the last FORGET steps."""
-        return [(p, r) for at, p, r in self._plans.get((batch_bin(num_reqs), riders), ()) if step - at < self.FORGET]
+        fresh = [p - r for at, p, r in self._plans.get((batch_bin(num_reqs), riders), ()) if step - at < self.FORGET]
+        if len(fresh) < self.MIN_PLANS:
+            return 0.0
+        return max(0.0, statistics.median(fresh))
