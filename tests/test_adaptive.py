@@ -713,33 +713,33 @@ def test_a_plan_must_beat_plain_decoding_by_the_margin(planner):
         assert len(out[0].tokens) == verified, chance
 
 
-def _one_request_on_a_clock(monkeypatch):
+def _one_request_on_a_clock(monkeypatch, pair: float = 1.5):
     """The margin test's request (one node at chance 0.58, predicted 5% faster than plain
-    decoding, at a 2-token verify priced 1.5 plain steps) under a fake clock: the policy, and
-    step(seconds, riders=0, draft=True), which runs one step that takes `seconds` and returns how
-    many nodes it verified."""
+    decoding, at a 2-token verify priced `pair` = 1.5 plain steps) under a fake clock: the policy,
+    the request, and step(seconds, riders=0, draft=True, chance=0.58), which runs one step that takes `seconds`
+    and returns how many nodes it verified."""
     from verispec.adaptive import policy as P
     from verispec.sequence import Sequence
 
     clock = [0.0]
     monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
-    policy = AdaptiveDraftLength(CostProfile([1, 2], [1.0, 1.5]), max_depth=1)
+    policy = AdaptiveDraftLength(CostProfile([1, 2], [1.0, pair]), max_depth=1)
     policy.step_cost.record = lambda *a, **kw: None
     policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     policy.estimator.observe = lambda *a, **kw: None  # the confidence stays 0.58
     seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=10_000), torch.Generator(), num_draft_tokens=1)
 
-    def step(seconds: float, riders: int = 0, draft: bool = True) -> int:
+    def step(seconds: float, riders: int = 0, draft: bool = True, chance: float = 0.58) -> int:
         policy.budgets([seq], 1)
         policy._probe = False
         if riders:
             policy.riders(riders, 1)
-        out = policy.admit([seq], [Draft([4], features=[[logit_(0.58)]]) if draft else Draft([])], 0.0)
+        out = policy.admit([seq], [Draft([4], features=[[logit_(chance)]]) if draft else Draft([])], 0.0)
         clock[0] += seconds
         policy.observe([seq], out, [Verdict([7], 0)])
         return len(out[0].tokens)
 
-    return policy, step
+    return policy, seq, step
 
 
 def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monkeypatch):
@@ -747,7 +747,7 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
     while its steps run as priced; after 8 of them each took 3 plain steps' time (realized gain
     1/3), it is not, at that batch size; 256 steps after the last record it is verified again.
     A step with prompt chunks riding along is on record apart."""
-    policy, step = _one_request_on_a_clock(monkeypatch)
+    policy, _, step = _one_request_on_a_clock(monkeypatch)
 
     assert step(1.5) == 1 and policy.realized.overshoot(policy.steps, 1) == 0.0  # one record: not yet
     for _ in range(RealizedGain.MIN_PLANS - 2):
@@ -761,13 +761,49 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
     assert step(1.5) == 1
 
 
+@pytest.mark.parametrize("pair,dear", [(1.7, True), (1.5, False)])
+def test_where_nodes_are_dear_a_batch_size_whose_plans_lately_lost_takes_none_and_drafts_only_on_probes(
+        monkeypatch, pair, dear):
+    """Plans ran at plain decoding's speed (realized 1.0, short of the 3% margin): 8 predicted 5%
+    faster (chance 0.79 at a 2-token verify priced 1.7 plain steps; 0.58 at 1.5), then 4 at chance
+    0.9, predicted 12% (27%) faster, which beat the margin plus the median overshoot (5%).
+    Where one node costs 0.7 of a plain step (at least DEAR_SHARE), those 12 records close the
+    batch size: the next node at chance 0.9 is not verified, and the cheap drafter drafts nothing
+    there but on a probe. Plans on steps with riders are on record apart and still taken; once
+    the first record is 256 steps old, the bin plans again. Where a node costs 0.5 of a plain step,
+    a losing record may say only that the text was novel: the node is verified."""
+    policy, seq, step = _one_request_on_a_clock(monkeypatch, pair)
+    first = 1.053 * pair - 1  # the chance at which a node is predicted 5.3% faster
+    assert policy._dear(1) is dear
+
+    for _ in range(RealizedGain.MIN_PLANS):
+        assert step(1.0, chance=first) == 1
+    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(0.053, abs=0.01)
+    for _ in range(RealizedGain.MIN_LOSING - RealizedGain.MIN_PLANS):
+        assert step(1.0, chance=0.9) == 1
+    assert policy.realized.overshoot(policy.steps, 1) == pytest.approx(0.053, abs=0.01)
+    assert policy.realized.losing(policy.steps, 1, False, policy.MARGIN)
+    if not dear:
+        assert step(1.0, chance=0.9) == 1
+        assert all(policy.budgets([seq], 1)[0] for _ in range(16))
+        return
+    assert step(1.0, chance=0.9) == 0
+    assert step(1.0, chance=0.9, riders=4) == 1
+    budgets = [policy.budgets([seq], 1)[0] for _ in range(AdaptiveDraftLength.PROBE_MAX)]
+    drafting = [i for i, b in enumerate(budgets) if b]
+    assert drafting[:5] == [8, 16, 32, 64, 128]  # probes only, ever rarer
+    lapsed = policy.steps - len(budgets) + 1 + drafting[5]  # then every step: the first record (step 1) lapsed
+    assert all(budgets[drafting[5]:]) and lapsed == 1 + RealizedGain.FORGET
+    assert step(1.0, chance=0.9) == 1
+
+
 def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_riders_keep_their_own(monkeypatch):
     """Plain decoding, priced 1.0 s a step, ran 0.4 s in the quiet steps that verified nothing
     (once 4 are on record; a step with prompt chunks riding along is not one of them): plans whose
     steps took 1.5 s for one token realized 0.4 / 1.5 of plain decoding's speed, not 1 / 1.5.
     Plans on steps with riders are on record apart, their time less the riders' priced part
     (2.0 s of a 3.5 s step)."""
-    policy, step = _one_request_on_a_clock(monkeypatch)
+    policy, _, step = _one_request_on_a_clock(monkeypatch)
 
     for _ in range(RealizedGain.MIN_PLAIN - 1):
         step(0.4, draft=False)

@@ -72,6 +72,11 @@ class AdaptiveDraftLength:
     # predicted 2-6% faster at 1.00x. So a plan must beat plain decoding by MARGIN, and by what the
     # plans at this batch size have lately overshot their predictions (realized.py).
     MARGIN = 0.03
+    # Where verifying one node per request costs at least this share of a plain step (as priced),
+    # plans live on a margin thinner than the price's error, and a batch size whose plans lately
+    # lost takes none (`RealizedGain.losing`, `closed`); where nodes are cheaper, a losing record
+    # says only that recent text was novel (realized.py).
+    DEAR_SHARE = 0.6
     SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
     def __init__(self, profile: "CostProfile | Callable[[], CostProfile]", planner: str = "greedy",
@@ -99,7 +104,7 @@ class AdaptiveDraftLength:
         self._pending: dict[int, list[float]] = {}  # seq id -> confidences of its admitted nodes
         self.realized = RealizedGain()  # plans' predicted against realized gain, per batch size
         self._predicted: float | None = None  # this step's plan's predicted gain, when it is checked (no probe)
-        self._draft_seconds = 0.0  # this step's drafting time (a checked plan's realized gain counts it)
+        self._draft_seconds = 0.0  # this step's drafting and planning time (a checked plan's realized gain counts it)
         self._share = 0.0  # the priced seconds of this step's riders (a checked plan's realized gain leaves them out)
         self._with_riders = False  # this step's forward carries prompt chunks
         self._quiet_plain = False  # this step verifies nothing and carries no riders: plain decoding's speed
@@ -154,6 +159,8 @@ class AdaptiveDraftLength:
             self._next_probe = self.steps + self._probe_every
         if self.width is None or self._probe:
             adaptive_cap = cap
+        elif self.realized.closed(self.steps, n, self.MARGIN) and self._dear(n):  # plans lately lost: probes only
+            self.width, adaptive_cap = 0, 0
         else:  # (the step cost, medians over every seen count, is read only when it decides)
             draft, step = self.draft_cost(n), self.step_cost(n)
             if draft <= self.CHEAP_DRAFT * step:
@@ -168,6 +175,7 @@ class AdaptiveDraftLength:
         return out
 
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
+        t0 = time.perf_counter()
         self.last_drafted = sum(len(d.tokens) for d in drafts)
         n = len(seqs)
         riding, ends = self._riding
@@ -191,7 +199,6 @@ class AdaptiveDraftLength:
             kept = self._plan_window(surv, pins, drafts, exact)
         if self._probe or (riding and not packed):  # the plan's part of the step is not known: not checked
             self._predicted = None
-        self._draft_seconds = draft_seconds
         if self.width:  # a look (or a probe) that found a plan worth verifying
             self._look_wait = 1
         elif not self._probe:  # a fruitless look: the next one waits twice as long (capped where it is read)
@@ -203,13 +210,17 @@ class AdaptiveDraftLength:
         self.last_admitted = sum(len(d.tokens) for d in out)
         self._quiet_plain = not riding and not self.last_admitted
         tokens = n + self.last_admitted if packed else n * (1 + max(len(d.tokens) for d in out))
-        self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, time.perf_counter())
+        now = time.perf_counter()
+        self._draft_seconds = draft_seconds + now - t0  # a plan's realized gain pays for its planning too
+        self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, now)
         return out
 
     def _choose(self, theta: list[float], exact: bool, num_reqs: int, riders: bool = False) -> int:
         """The planner's pick among the plans scored by theta (windows, or packed budgets); plain
         decoding (0) unless the pick beats it by MARGIN plus the recent overshoot of plans at this
-        batch size, on steps with riders or without as this one (`RealizedGain`)."""
+        batch size, on steps with riders or without as this one, and, where nodes are dear
+        (`_dear`), those plans did not lately realize less than MARGIN over plain decoding
+        (`RealizedGain`)."""
         if exact:
             choice = self._stale = argmax(theta)
         elif self.planner == "greedy":
@@ -221,8 +232,16 @@ class AdaptiveDraftLength:
         need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs, riders)
         if not choice or theta[choice] < need * theta[0]:
             return 0
+        if self.realized.losing(self.steps, num_reqs, riders, self.MARGIN) and self._dear(num_reqs):
+            return 0
         self._predicted = theta[choice] / theta[0]
         return choice
+
+    def _dear(self, num_reqs: int) -> bool:
+        """Whether verifying one node per request costs at least DEAR_SHARE of a plain step of
+        num_reqs requests, as the step cost prices it now."""
+        plain, doubled = self.step_cost.costs(num_reqs, [num_reqs, 2 * num_reqs])
+        return doubled - plain >= self.DEAR_SHARE * plain
 
     def _plan_packed(self, surv, pins, drafts, exact, riding: int = 0, ends: int = 0) -> list[list[int]]:
         """Packed chains (engine._chain_forward): a step costs what its N + B tokens cost, so the

@@ -11,8 +11,8 @@ where the policy beat every fixed k (session 29: 1.07-1.12x the best at 1-4 stre
 
 So the policy keeps, per batch-size bin (1, 2, 3-4, 5-8, ..., 33-64), the recent non-probe plan
 steps: the step number, the predicted gain (the plan's expected tokens per second over plain
-decoding's, as priced) and the realized gain (the tokens the step emitted per second of drafting
-and verifying, over plain decoding's). Once MIN_PLANS of the last FORGET steps are on record, the
+decoding's, as priced) and the realized gain (the tokens the step emitted per second of drafting,
+planning and verifying, over plain decoding's). Once MIN_PLANS of the last FORGET steps are on record, the
 median overshoot (predicted minus realized) is what a plan's prediction must beat plain decoding
 by, on top of the margin. A bin whose plans stop being verified keeps no fresh records, so its
 overshoot lapses after FORGET steps and the policy tries again: at worst MIN_PLANS losing steps
@@ -25,12 +25,21 @@ where that price was high (at 64 streams, 7.3 ms a request where such steps ran 
 the price inflates the predicted and the realized gain alike, and the overshoot, a difference,
 then falls short of what the prediction exceeds by.
 
-A gate that stopped a bin's plans (and its drafting but on probes) once the median realized
-gain of its last 12 plans was under 1 + margin was tried in session 32: at 64 streams it brought
-the policy to 0.986 of plain decoding in process and 0.991 through the server, but at one stream
-a stretch of rejected plans closed it for up to 209 steps, across requests whose drafts would
-have paid, and the level fell to 0.94-0.95 of fixed k = 7; reverted (`benchmarks/gate_replay.py`
-replays traced sweeps under it).
+Where verifying one node per request costs at least the policy's DEAR_SHARE (0.6) of a plain step (the step cost's
+price: 0.69 at 32 streams and 0.81 at 64 on the 2-core AVX2 EPYC by session 31's plain steps,
+0.5 at 16, 0.06 at one), a bin whose plans lately did not beat plain decoding by the margin (the
+median realized gain of MIN_LOSING fresh records below 1 + margin: `losing`) takes no plan at
+all, whatever it promises, and a cheap drafter does not draft there except on probes, until
+those records lapse (`closed`). There a node must be accepted nearly as often as it costs a
+plain token's share to pay, so plans live on a thin margin that the price's error eats: at 64
+streams plans accepted 83-94% of the time realized a median 0.92-0.99x plain decoding while
+predicting 1.04-1.21x, and the overshoot, a median difference, let the plans predicted above it
+through (session 31: 0.943x plain decoding, 9-62 plans a round). With this gate the policy ran
+0.986x in process and 0.991x through the server (session 32). Where nodes are cheap, a rejected
+plan costs little and a losing record says only that recent text was novel: the gate applied at
+one stream too (session 32) closed for up to 209 steps after 12 rejected plans, across requests
+whose drafts would have paid, and the level fell to 0.94-0.95 of fixed k = 7; the estimator,
+not the gate, answers for acceptance.
 
 Steps with prompt chunks riding in the forward are kept apart (their own bins): the plan's share
 of such a step is the step less the riders' priced part, and how far that is off is its own
@@ -48,6 +57,9 @@ from .costs import batch_bin
 
 class RealizedGain:
     MIN_PLANS = 8  # records in a bin before its overshoot counts
+    MIN_LOSING = 12  # records before a bin's realized gain can stop its plans (`losing`): one noisy
+    # record counts less; replayed on session 31's traces (benchmarks/gate_replay.py), 8 closed the 16-stream level in one round
+    # on plans that paid (2.9% of its time), 12 nowhere below 32 streams
     MIN_PLAIN = 4  # plain steps in a bin before their speed is the reference
     KEEP = 32  # records kept per bin
     FORGET = 256  # steps a record counts for
@@ -74,7 +86,21 @@ class RealizedGain:
         """The median of predicted minus realized gain over this batch size's bin, quiet steps or
         those with riders (records from the last FORGET steps; 0 with fewer than MIN_PLANS of
         them, and never below 0)."""
-        fresh = [p - r for at, p, r in self._plans.get((batch_bin(num_reqs), riders), ()) if step - at < self.FORGET]
-        if len(fresh) < self.MIN_PLANS:
-            return 0.0
-        return max(0.0, statistics.median(fresh))
+        fresh = self._fresh(step, num_reqs, riders)
+        return max(0.0, statistics.median(p - r for p, r in fresh)) if len(fresh) >= self.MIN_PLANS else 0.0
+
+    def losing(self, step: int, num_reqs: int, riders: bool, margin: float) -> bool:
+        """Whether this bin's plans, on steps with riders or without as asked, lately realized a
+        median gain below 1 + margin (False with fewer than MIN_LOSING fresh records)."""
+        fresh = self._fresh(step, num_reqs, riders)
+        return len(fresh) >= self.MIN_LOSING and statistics.median(r for _, r in fresh) < 1 + margin
+
+    def closed(self, step: int, num_reqs: int, margin: float) -> bool:
+        """Whether nothing is worth drafting for at this batch size: the bin has MIN_LOSING fresh
+        records, on steps with riders or without, and every such set is `losing`."""
+        sets = [r for r in (False, True) if len(self._fresh(step, num_reqs, r)) >= self.MIN_LOSING]
+        return bool(sets) and all(self.losing(step, num_reqs, r, margin) for r in sets)
+
+    def _fresh(self, step: int, num_reqs: int, riders: bool) -> list[tuple[float, float]]:
+        """(predicted, realized) of the bin's records from the last FORGET steps."""
+        return [(p, r) for at, p, r in self._plans.get((batch_bin(num_reqs), riders), ()) if step - at < self.FORGET]
