@@ -441,12 +441,12 @@ class StepCost:
         # this batch size's own medians, once per call (at 64 requests a plan prices ~450 budgets)
         here_at = {t: m for (n, t), q in self.seen_at.items() if n == num_reqs and (m := self._median(q)) is not None}
         b = batch_bin(num_reqs)
-        line = lines[b] if b in lines else lines.setdefault(b, self._line(num_reqs))
         out: list[float] = []
         for i, T in enumerate(tokens):
             rows = T if head_rows is None else head_rows[i]
             body = here_at.get(T)
-            if body is None:
+            if body is None:  # the bin's line, fitted once per recorded step and only where needed
+                line = lines[b] if b in lines else lines.setdefault(b, self._line(num_reqs))
                 tiled = self.profile.tiles(T)
                 fit = None if line is None else max(0.0, line(num_reqs, tiled, rows))
                 if fit is not None and T - num_reqs <= line.widest:
