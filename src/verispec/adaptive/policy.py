@@ -69,13 +69,17 @@ class AdaptiveDraftLength:
     # where a step's cost grows with every token (64 requests on a 2-core CPU) the best plans are
     # within a few percent of plain decoding. In one traced run at 64 requests, the 36 steps whose
     # plan was predicted 0-2% faster than plain decoding ran at 0.96x its speed (median), the 31
-    # predicted 2-6% faster at 1.00x. So a plan must beat plain decoding by MARGIN, and by what the
-    # plans at this batch size have lately overshot their predictions (realized.py).
+    # predicted 2-6% faster at 1.00x. So a plan must beat plain decoding by MARGIN.
     MARGIN = 0.03
     # Where verifying one node per request costs at least this share of a plain step (as priced),
-    # plans live on a margin thinner than the price's error, and a batch size whose plans lately
-    # lost takes none (`RealizedGain.losing`, `closed`); where nodes are cheaper, a losing record
-    # says only that recent text was novel (realized.py).
+    # plans live on a margin thinner than the price's error: there a plan must also beat what the
+    # plans at this batch size lately overshot their predictions by, and a batch size whose plans
+    # lately lost takes none (`RealizedGain.overshoot`, `losing`, `closed`). Where nodes are
+    # cheaper, a record that fell short says only that the text was novel, which the estimator
+    # learns: at one stream on a fast CPU a few rejected plans (the lookup's all-or-nothing
+    # drafts) set an overshoot of 0.5 that refused every plan for the rest of a 256-token bench,
+    # 1.09x plain decoding where fixed k = 7 ran 1.70x (session 33), since a refused plan leaves
+    # no record to lift it (realized.py).
     DEAR_SHARE = 0.6
     SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
@@ -218,10 +222,10 @@ class AdaptiveDraftLength:
 
     def _choose(self, theta: list[float], exact: bool, num_reqs: int, riders: bool = False) -> int:
         """The planner's pick among the plans scored by theta (windows, or packed budgets); plain
-        decoding (0) unless the pick beats it by MARGIN plus the recent overshoot of plans at this
-        batch size, on steps with riders or without as this one, and, where nodes are dear
-        (`_dear`), those plans did not lately realize less than MARGIN over plain decoding
-        (`RealizedGain`)."""
+        decoding (0) unless the pick beats it by MARGIN and, where nodes are dear (`_dear`), by
+        MARGIN plus the recent overshoot of plans at this batch size, on steps with riders or
+        without as this one, and those plans did not lately realize less than MARGIN over plain
+        decoding (`RealizedGain`)."""
         if exact:
             choice = self._stale = argmax(theta)
         elif self.planner == "greedy":
@@ -230,11 +234,12 @@ class AdaptiveDraftLength:
             best = argmax(theta)
             choice = best if self._stale is None else min(self._stale, len(theta) - 1)
             self._stale = best  # used next step only: its survivals are then history
-        need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs, riders)
-        if not choice or theta[choice] < need * theta[0]:
+        if not choice or theta[choice] < (1 + self.MARGIN) * theta[0]:
             return 0
-        if self.realized.losing(self.steps, num_reqs, riders, self.MARGIN) and self._dear(num_reqs):
-            return 0
+        if self._dear(num_reqs):  # where plans live on a thin margin, their record must allow it
+            need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs, riders)
+            if theta[choice] < need * theta[0] or self.realized.losing(self.steps, num_reqs, riders, self.MARGIN):
+                return 0
         self._predicted = theta[choice] / theta[0]
         return choice
 

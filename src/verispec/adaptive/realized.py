@@ -12,11 +12,11 @@ where the policy beat every fixed k (session 29: 1.07-1.12x the best at 1-4 stre
 So the policy keeps, per batch-size bin (1, 2, 3-4, 5-8, ..., 33-64), the recent non-probe plan
 steps: the step number, the predicted gain (the plan's expected tokens per second over plain
 decoding's, as priced) and the realized gain (the tokens the step emitted per second of drafting,
-planning and verifying, over plain decoding's). Once MIN_PLANS of the last FORGET steps are on record, the
-median overshoot (predicted minus realized) is what a plan's prediction must beat plain decoding
-by, on top of the margin. A bin whose plans stop being verified keeps no fresh records, so its
-overshoot lapses after FORGET steps and the policy tries again: at worst MIN_PLANS losing steps
-every FORGET.
+planning and verifying, over plain decoding's). Where nodes are dear (below), once MIN_PLANS of
+the last FORGET steps are on record, the median overshoot (predicted minus realized) is what a
+plan's prediction must beat plain decoding by, on top of the margin. A bin whose plans stop being
+verified keeps no fresh records, so its overshoot lapses after FORGET steps and the policy tries
+again: at worst MIN_PLANS losing steps every FORGET.
 
 Plain decoding's speed, for the realized gain, is what this bin's own recent quiet steps that
 verified nothing ran at (seconds per request, median), once MIN_PLAIN of them are on record;
@@ -25,10 +25,10 @@ where that price was high (at 64 streams, 7.3 ms a request where such steps ran 
 the price inflates the predicted and the realized gain alike, and the overshoot, a difference,
 then falls short of what the prediction exceeds by.
 
-Where verifying one node per request costs at least the policy's DEAR_SHARE (0.6) of a plain step (the step cost's
-price: 0.69 at 32 streams and 0.81 at 64 on the 2-core AVX2 EPYC by session 31's plain steps,
-0.5 at 16, 0.06 at one), a bin whose plans lately did not beat plain decoding by the margin (the
-median realized gain of MIN_LOSING fresh records below 1 + margin: `losing`) takes no plan at
+Nodes are dear where verifying one node per request costs at least the policy's DEAR_SHARE
+(0.6) of a plain step (the step cost's price: 0.69 at 32 streams and 0.81 at 64 on the 2-core
+AVX2 EPYC by session 31's plain steps, 0.5 at 16, 0.06 at one). There a bin whose plans lately
+did not beat plain decoding by the margin (the median realized gain of MIN_LOSING fresh records below 1 + margin: `losing`) takes no plan at
 all, whatever it promises, and a cheap drafter does not draft there except on probes, until
 those records lapse (`closed`). There a node must be accepted nearly as often as it costs a
 plain token's share to pay, so plans live on a thin margin that the price's error eats: at 64
@@ -39,7 +39,10 @@ through (session 31: 0.943x plain decoding, 9-62 plans a round). With this gate 
 plan costs little and a losing record says only that recent text was novel: the gate applied at
 one stream too (session 32) closed for up to 209 steps after 12 rejected plans, across requests
 whose drafts would have paid, and the level fell to 0.94-0.95 of fixed k = 7; the estimator,
-not the gate, answers for acceptance.
+not the gate, answers for acceptance. The overshoot likewise: at one stream, where the n-gram
+lookup's drafts are accepted whole or not at all, a few rejected plans among accepted ones set a
+median overshoot of 0.5, and no plan was verified for the rest of a 256-token bench (1.09x plain
+decoding where fixed k = 7 ran 1.70x; session 33, `adaptive-s33/levels-1-2b`).
 
 Steps with prompt chunks riding in the forward are kept apart (their own bins): the plan's share
 of such a step is the step less the riders' priced part, and how far that is off is its own
