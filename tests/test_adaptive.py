@@ -826,29 +826,41 @@ def test_the_realized_gain_is_against_the_bins_own_plain_steps_and_steps_with_ri
     assert step(1.5) == 0
 
 
-def test_a_cheap_drafter_whose_drafts_were_not_worth_verifying_looks_again_every_few_steps():
+@pytest.mark.parametrize("planning,dear,looks", [
+    (0.0, True, [1, 2, 4, 7, 10, 13, 16, 19, 22, 25, 26, 29]),
+    (0.015, True, [1, 2, 4, 8, 10, 16, 22, 26, 32, 38]),
+    (0.015, False, [1, 2, 4, 7, 10, 13, 16, 19, 22, 25, 26, 29, 32, 35, 38]),
+])
+def test_a_cheap_drafter_whose_drafts_were_not_worth_verifying_looks_again_every_few_steps(planning, dear, looks):
     """Drafting that costs 1.5% of a plain step, where nothing pays: after a step that verified
     nothing, the drafter drafts 2 steps later, then every 3rd step (keeping fruitless drafting
     under 0.5% of the time), and on the probe steps (2, 10, 26: 8, 16, ... steps after the last
-    verified one)."""
+    verified one). Where nodes are dear and planning a look costs another 1.5%, every 6th step
+    once the doubling waits reach it (and the probes); where they are cheap (a node 0.5 of a
+    plain step), planning is not counted."""
     from verispec.sequence import Sequence
 
     class Cost(C.DraftCost):
-        def __call__(self, num_reqs):
-            return 0.015  # a plain step costs 1.0 (the profile at 1 token)
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
 
-    policy = AdaptiveDraftLength(CostProfile([1, 2, 64], [1.0, 10.0, 320.0]), max_depth=4)
-    policy.draft_cost = Cost()
+        def __call__(self, num_reqs):
+            return self.seconds  # a plain step costs 1.0 (the profile at 1 token)
+
+    policy = AdaptiveDraftLength(CostProfile([1, 2, 64], [1.0, 10.0 if dear else 1.5, 320.0]), max_depth=4)
+    policy.draft_cost, policy.plan_cost = Cost(0.015), Cost(planning)
     policy.step_cost.record = lambda *a, **kw: None
     seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=200), torch.Generator(), num_draft_tokens=4)
     drafted = []
-    for step in range(1, 31):
+    for step in range(1, 41 if planning else 31):
         k = policy.budgets([seq], 4)[0]
         if k:
             drafted.append(step)
         out = policy.admit([seq], [Draft([4] * k, features=[[0.0]] * k)], 0.0)
         policy.observe([seq], out, [Verdict(out[0].tokens[:1] or [9], 0, [])])
-    assert drafted == [1, 2, 4, 7, 10, 13, 16, 19, 22, 25, 26, 29], drafted
+    assert policy._dear(1) is dear
+    assert drafted == looks, str(drafted)
 
 
 def test_profile_records_the_tokens_its_forwards_carry_and_repeats_round_the_grid(monkeypatch):
@@ -1036,12 +1048,16 @@ def test_a_fruitless_look_waits_twice_as_long_up_to_the_cost_cap():
     from verispec.sequence import Sequence
 
     class Cost(C.DraftCost):
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
+
         def __call__(self, num_reqs):
-            return 0.04
+            return self.seconds
 
     policy = AdaptiveDraftLength(CostProfile([1, 2, 64], [1.0, 10.0, 320.0]), max_depth=2)
     policy.PROBE_EVERY = 10**6  # no probes after the first: the looks alone
-    policy.draft_cost = Cost()
+    policy.draft_cost, policy.plan_cost = Cost(0.04), Cost(0.0)  # (planning as timed here would move the cap)
     policy.step_cost.record = lambda *a, **kw: None
     seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=200), torch.Generator(), num_draft_tokens=2)
     drafted, verified = _fruitless_steps(policy, [seq], 40)

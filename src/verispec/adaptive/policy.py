@@ -65,6 +65,11 @@ class AdaptiveDraftLength:
     # verifies starts the doubling again. (With the cap alone, one fruitless look at 4 requests,
     # 0.4 ms of drafting against a 12 ms step, meant 7 steps of plain decoding.)
     LOOK_SHARE = 0.005
+    # Where nodes are dear (`DEAR_SHARE`) a look costs its planning too (pricing some 450 budgets
+    # for 64 drafts): on the AVX-512 EPYC at 64 requests a fruitless look cost 9 ms beyond the
+    # plain step's price, 3 of them drafting, and looks every 6th step 1.3% of the decode time
+    # (session 33). Not where nodes are cheap: counted there it spaced looks up to 6 steps apart at
+    # 1-2 streams and the level fell to 0.84x fixed k = 7 (session 31).
     # A plan is the best of many estimates, so its estimate is biased up (the optimizer's curse);
     # where a step's cost grows with every token (64 requests on a 2-core CPU) the best plans are
     # within a few percent of plain decoding. In one traced run at 64 requests, the 36 steps whose
@@ -92,6 +97,7 @@ class AdaptiveDraftLength:
         self.planner = planner
         self.estimator = AcceptanceEstimator(max_depth, refit_every)
         self.draft_cost = DraftCost()
+        self.plan_cost = DraftCost()  # admit's own seconds on steps that drafted
         self._step_cost: StepCost | None = None
         self._verify_started: tuple[int, int, int, float] | None = None  # (num_reqs, forward tokens, head rows, perf_counter)
         self._riding = (0, 0)  # this step's prompt tokens in the verify forward and the head rows they add (riders)
@@ -169,7 +175,8 @@ class AdaptiveDraftLength:
         else:  # (the step cost, medians over every seen count, is read only when it decides)
             draft, step = self.draft_cost(n), self.step_cost(n)
             if draft <= self.CHEAP_DRAFT * step:
-                wait = min(self._look_wait, look_every(draft, step, self.LOOK_SHARE))
+                look = draft + (self.plan_cost(n) if self._dear(n) else 0.0)
+                wait = min(self._look_wait, look_every(look, step, self.LOOK_SHARE))
                 adaptive_cap = cap if self.width or self.steps - self._last_draft >= wait else 0
             else:
                 adaptive_cap = min(cap, self.width + 2) if self.width else 0
@@ -216,6 +223,7 @@ class AdaptiveDraftLength:
         self._quiet_plain = not riding and not self.last_admitted
         tokens = n + self.last_admitted if packed else n * (1 + max(len(d.tokens) for d in out))
         now = time.perf_counter()
+        self.plan_cost.record(n, now - t0)
         self._draft_seconds = draft_seconds + now - t0  # a plan's realized gain pays for its planning too
         self._verify_started = (n, tokens + riding, n + self.last_admitted + ends, now)
         return out
