@@ -118,7 +118,7 @@ class AdaptiveDraftLength:
         self._share = 0.0  # the priced seconds of this step's riders (a checked plan's realized gain leaves them out)
         self._with_riders = False  # this step's forward carries prompt chunks
         self._quiet_plain = False  # this step verifies nothing and carries no riders: plain decoding's speed
-        self._dear_at: dict[int, tuple[int, bool]] = {}  # batch size -> (step, `_dear` then)
+        self._dear_at: dict[int, tuple[int, bool, float]] = {}  # batch size -> (step, `_nodes` then)
         self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
         self.last_admitted = 0
 
@@ -252,15 +252,40 @@ class AdaptiveDraftLength:
         return choice
 
     def _dear(self, num_reqs: int) -> bool:
-        """Whether verifying one node per request costs at least DEAR_SHARE of a plain step of
-        num_reqs requests, as the step cost prices it (again every 16 steps: pricing an unseen
-        count fits the bin's line, 0.3 ms, a fiftieth of a one-request step on a fast CPU)."""
-        at, dear = self._dear_at.get(num_reqs, (-16, False))
+        return self._nodes(num_reqs)[0]
+
+    def _nodes(self, num_reqs: int) -> tuple[bool, float]:
+        """(dear, floor) at num_reqs requests, as the step cost prices them (again every 16 steps:
+        pricing an unseen count fits the bin's line, 0.3 ms, a fiftieth of a one-request step on a
+        fast CPU). floor: the slope of plain steps from one request to num_reqs, what a node costs
+        at least where a step's cost is convex in its tokens (flat while the weights' reads set it,
+        then a line), as a node is one more token through the body and the LM head like a
+        request's own. dear: one node per request costs at least DEAR_SHARE of a plain step, by
+        the price or by the floor.
+
+        Why the floor: a bin's live line fits the head rows' slope from its few plan steps. At 64
+        requests on the AVX-512 EPYC it priced a node at 1.25 ms where nodes cost 1.9 ms, as much
+        as a request's plain token (the profile's slope from 64 to 128 tokens: 1.92 ms), and the
+        policy verified plans of 12-192 nodes predicted 1.04-1.4x plain decoding that ran at about
+        1.0x and staggered the requests' finishes (session 33: 0.96x plain decoding by the sweep's
+        measure, 0.99x by the level's time). There the floor is 1.6 ms; on the AVX2 EPYC, 5.2 ms
+        where nodes cost 5.2-5.8 (session 31)."""
+        at, dear, floor = self._dear_at.get(num_reqs, (-16, False, 0.0))
         if self.steps - at >= 16:
             plain, doubled = self.step_cost.costs(num_reqs, [num_reqs, 2 * num_reqs])
-            dear = doubled - plain >= self.DEAR_SHARE * plain
-            self._dear_at[num_reqs] = (self.steps, dear)
-        return dear
+            one = self.step_cost.costs(1, [1])[0] if num_reqs > 1 else plain
+            floor = max(0.0, (plain - one) / (num_reqs - 1)) if num_reqs > 1 else 0.0
+            dear = max(doubled - plain, num_reqs * floor) >= self.DEAR_SHARE * plain
+            self._dear_at[num_reqs] = (self.steps, dear, floor)
+        return dear, floor
+
+    def _floored(self, num_reqs: int, costs: list[float], nodes: list[int]) -> list[float]:
+        """Plans' costs (costs[i] for nodes[i] verified nodes, nodes[0] = 0) where nodes are dear:
+        each node at least the floor (`_nodes`)."""
+        dear, floor = self._nodes(num_reqs)
+        if not dear or not floor:
+            return costs
+        return [max(c, costs[0] + k * floor) for c, k in zip(costs, nodes)]
 
     def _plan_packed(self, surv, pins, drafts, exact, riding: int = 0, ends: int = 0) -> list[list[int]]:
         """Packed chains (engine._chain_forward): a step costs what its N + B tokens cost, so the
@@ -280,6 +305,7 @@ class AdaptiveDraftLength:
         def priced(budgets: range) -> list[float]:
             alone = self.step_cost.costs(n, [base], [base])[0] if riding else 0.0
             joined = self.step_cost.costs(n, [base + riding + B for B in budgets], [base + ends + B for B in budgets])
+            joined = self._floored(n, joined, [B - budgets[0] for B in budgets])
             self._share = joined[0] - alone if riding else 0.0  # the riders' part of the step
             return [c - self._share for c in joined]
 
@@ -310,7 +336,8 @@ class AdaptiveDraftLength:
         pinned_rows = sum(len(d.tokens) for d, p in zip(drafts, pins) if p)
         head_rows = [n + pinned_rows + sum(min(W, len(d.tokens)) for d, p in zip(drafts, pins) if not p)
                      for W in range(widest + 1)]
-        cost = self.step_cost.table(n, widest, head_rows).__getitem__  # seconds by window
+        table = self.step_cost.table(n, widest, head_rows)
+        cost = self._floored(n, table, [r - head_rows[0] for r in head_rows]).__getitem__  # seconds by window
         free = [sv for sv, p in zip(surv, pins) if not p]  # the planner weighs the others only
         width = self._choose(throughput(free, self.draft_cost(n), cost), exact, n)
         self.width = width
