@@ -26,8 +26,9 @@ the price inflates the predicted and the realized gain alike, and the overshoot,
 then falls short of what the prediction exceeds by.
 
 Nodes are dear where verifying one node per request costs at least the policy's DEAR_SHARE
-(0.6) of a plain step (the step cost's price: 0.69 at 32 streams and 0.81 at 64 on the 2-core
-AVX2 EPYC by session 31's plain steps, 0.5 at 16, 0.06 at one). There a bin whose plans lately
+(0.6) of a plain step, by the step cost's price or at the slope of plain steps from one request
+(the policy's `_nodes`; 0.69 at 32 streams and 0.81 at 64 on the 2-core AVX2 EPYC by session
+31's plain steps, 0.5 at 16, 0.06 at one). There a bin whose plans lately
 did not beat plain decoding by the margin (the median realized gain of MIN_LOSING fresh records below 1 + margin: `losing`) takes no plan at
 all, whatever it promises, and a cheap drafter does not draft there except on probes, until
 those records lapse (`closed`). There a node must be accepted nearly as often as it costs a
