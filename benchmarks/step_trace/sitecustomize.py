@@ -112,10 +112,19 @@ def _patch_policy(mod) -> None:
     costs: list[float] = []
 
     def recorded_costs(self, *a, **kw):
-        costs[:] = step_costs(self, *a, **kw)
-        return costs
+        out = step_costs(self, *a, **kw)
+        costs[:] = out
+        return out
 
     mod.StepCost.costs = recorded_costs
+    floored = Policy._floored
+
+    def recorded_floor(self, *a, **kw):  # a plan's costs as the planner saw them (after the node floor)
+        out = floored(self, *a, **kw)
+        costs[:] = out
+        return out
+
+    Policy._floored = recorded_floor
 
     def traced_admit(self, seqs, drafts, draft_seconds):
         theta[:], costs[:] = [0.0], []
