@@ -670,7 +670,8 @@ def test_a_packed_probe_verifies_the_surest_requests_that_a_quarter_of_a_step_pa
     """Where every token costs what a request's plain step costs (a CPU at high load), no node pays
     and the planner verifies nothing; the probe step after it verifies the best node of the two
     surest requests (8 requests: 8 x 1.25 = 10 tokens), not one node of each of the 8. A cold
-    estimator (under 256 observations) probes all of them."""
+    estimator (under 256 observations) probes two there too (nodes are dear), but all 8 where a
+    node costs half a plain token (a plain step of 8 costs 8.0, of 16 12.0, of one 7.0)."""
     from verispec.sequence import Sequence
 
     policy = AdaptiveDraftLength(CostProfile([1, 64], [1.0, 64.0]), max_depth=2)
@@ -688,12 +689,14 @@ def test_a_packed_probe_verifies_the_surest_requests_that_a_quarter_of_a_step_pa
         policy.observe(seqs, out, [Verdict(d.tokens[:1] or [9], 0, []) for d in out])
     assert verified == [[], [1, 3]]
     assert policy._probe
-    cold = AdaptiveDraftLength(CostProfile([1, 64], [1.0, 64.0]), max_depth=2)
-    cold.step_cost.record = lambda *a, **kw: None
-    for step in range(2):
-        cold.budgets(seqs, 2)
-        out = cold.admit(seqs, [Draft([4, 5], features=[[f], [f]]) for f in surety], 0.0)
-    assert cold._probe and [len(d.tokens) for d in out] == [1] * 8
+    for profile, probed in ((CostProfile([1, 64], [1.0, 64.0]), [1, 1] + [0] * 6),
+                            (CostProfile([1, 8, 16], [7.0, 8.0, 12.0]), [1] * 8)):
+        cold = AdaptiveDraftLength(profile, max_depth=2)
+        cold.step_cost.record = lambda *a, **kw: None
+        for step in range(2):
+            cold.budgets(seqs, 2)
+            out = cold.admit(seqs, [Draft([4, 5], features=[[f], [f]]) for f in surety], 0.0)
+        assert cold._probe and [len(d.tokens) for d in out] == probed
 
 
 @pytest.mark.parametrize("planner", ["greedy", "topb"])
