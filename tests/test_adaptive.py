@@ -621,7 +621,7 @@ def test_adaptive_policy_times_every_decode_step_by_its_forwards_tokens():
     seen = policy.step_cost.seen
     assert sum(len(q) for q in seen.values()) == decode_steps == len(forwards)
     assert sorted(t for t, q in seen.items() for _ in q) == sorted(t for _, t in forwards)
-    assert sorted(k for k, q in policy.step_cost.seen_at.items() for _ in q) == sorted(forwards)
+    assert sorted((n, t) for n, by in policy.step_cost.seen_at.items() for t, q in by.items() for _ in q) == sorted(forwards)
     assert all(t > 0 for q in seen.values() for _, t in q)
 
 

@@ -390,7 +390,7 @@ class StepCost:
         self.window = window
         self.steps = 0  # steps recorded so far: the clock samples are stamped with
         self.seen: dict[int, deque[tuple[int, float]]] = {}  # tokens in the forward -> (step, seconds less the head)
-        self.seen_at: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # (requests, tokens) -> the same
+        self.seen_at: dict[int, dict[int, deque[tuple[int, float]]]] = {}  # requests -> tokens -> the same
         self.by_bin: dict[int, deque[tuple[int, int, int, int, float]]] = {}  # bin -> (step, requests, tokens, head rows, body)
         self._cached: tuple = (-1, {}, [], {})  # (steps, medians by tokens, their counts, lines by bin) as of `steps`
 
@@ -402,7 +402,7 @@ class StepCost:
         self.steps += 1
         self.seen.setdefault(num_tokens, deque(maxlen=self.window)).append((self.steps, body))
         if num_reqs:
-            self.seen_at.setdefault((num_reqs, num_tokens), deque(maxlen=self.window)).append((self.steps, body))
+            self.seen_at.setdefault(num_reqs, {}).setdefault(num_tokens, deque(maxlen=self.window)).append((self.steps, body))
             self.by_bin.setdefault(batch_bin(num_reqs), deque(maxlen=self.KEEP)).append(
                 (self.steps, num_reqs, num_tokens, rows, body))
 
@@ -438,8 +438,10 @@ class StepCost:
             med = {t: m for t, q in self.seen.items() if (m := self._median(q)) is not None}
             self._cached = (self.steps, med, sorted(med), {})
         _, med, known, lines = self._cached
-        # this batch size's own medians, once per call (at 64 requests a plan prices ~450 budgets)
-        here_at = {t: m for (n, t), q in self.seen_at.items() if n == num_reqs and (m := self._median(q)) is not None}
+        # this batch size's own medians, once per call (at 64 requests a plan prices ~450 budgets;
+        # kept by batch size: a policy carried through a sweep had seen thousands of (requests,
+        # tokens) pairs, and reading them all cost every step 1-3 ms at 64 requests, session 33)
+        here_at = {t: m for t, q in self.seen_at.get(num_reqs, {}).items() if (m := self._median(q)) is not None}
         b = batch_bin(num_reqs)
         out: list[float] = []
         for i, T in enumerate(tokens):
