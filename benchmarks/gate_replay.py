@@ -1,7 +1,9 @@
 """Replay a traced in-process sweep (`benchmarks/step_trace`, see `inprocess_trace.py`) under the
-realized-gain gate tried in session 32 (a bin whose last plans realized a median under 1 + margin
-takes none; reverted: see `verispec/adaptive/realized.py`): which of the adaptive policy's plan
-steps the gate would have refused, and what that would have saved or lost.
+realized-gain gate (a bin whose last plans realized a median under 1 + margin takes none:
+`verispec.adaptive.realized.RealizedGain.losing`), applied at every load as session 32 tried it
+(the policy now applies it only where nodes are dear, `AdaptiveDraftLength.DEAR_SHARE`): which
+of the adaptive policy's plan steps the gate would have refused, and what that would have saved
+or lost.
 
 A rough, offline estimate, to choose the gate's record count and threshold before spending a
 sweep on them. Plain decoding's steps at each level are fitted by least squares (seconds = a + b N

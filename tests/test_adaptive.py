@@ -766,18 +766,21 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
     assert step(1.5) == 1
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("one", [1.0, 7.9])
-def test_where_plain_steps_grow_with_every_request_a_node_costs_at_least_their_slope(one):
+def test_where_plain_steps_grow_with_every_request_a_node_costs_at_least_their_slope(one, packed):
     """8 requests, each drafting one node at chance 0.9. The profile prices a plain step of 8
     tokens at 8.0 and one of 16 at 8.8, a node at 0.1: verified, 1.73x plain decoding by that
     price. But a plain step of one request costs 1.0 there, so each of the 7 more requests added
     1.0: a node, one more token through the body and the head, costs at least that (a step's
     cost is convex in its tokens), and 8 nodes cost 8.0 more, 0.95x plain decoding: refused.
     Where one request's step costs 7.9 (the weights' reads set the step: the slope is 0.014),
-    the nodes are priced as the profile says and verified."""
+    the nodes are priced as the profile says and verified. The same for packed chains and for
+    padded windows (a window of 1 is also a forward of 16 tokens)."""
     from verispec.sequence import Sequence
 
     policy = AdaptiveDraftLength(CostProfile([1, 8, 16], [one, 8.0, 8.8]), max_depth=1)
+    policy.packed_chains = packed
     policy.step_cost.record = lambda *a, **kw: None
     policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=100), torch.Generator(), num_draft_tokens=1)

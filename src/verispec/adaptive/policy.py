@@ -64,13 +64,13 @@ class AdaptiveDraftLength:
     # steps later, doubling with every fruitless look, at most as rarely as keeps such drafting under
     # LOOK_SHARE of the decode time: every 4th step at 64 requests (2 of 75 ms); a look whose plan
     # verifies starts the doubling again. (With the cap alone, one fruitless look at 4 requests,
-    # 0.4 ms of drafting against a 12 ms step, meant 7 steps of plain decoding.)
+    # 0.4 ms of drafting against a 12 ms step, meant 7 steps of plain decoding.) Where nodes are
+    # dear (`DEAR_SHARE`) a look costs its planning too (pricing some 450 budgets for 64 drafts):
+    # on the AVX-512 EPYC at 64 requests a fruitless look cost 9 ms beyond the plain step's price,
+    # 3 of them drafting, and looks every 6th step 1.3% of the decode time (session 33). Not where
+    # nodes are cheap: counted there it spaced looks up to 6 steps apart at 1-2 streams and the
+    # level fell to 0.84x fixed k = 7 (session 31).
     LOOK_SHARE = 0.005
-    # Where nodes are dear (`DEAR_SHARE`) a look costs its planning too (pricing some 450 budgets
-    # for 64 drafts): on the AVX-512 EPYC at 64 requests a fruitless look cost 9 ms beyond the
-    # plain step's price, 3 of them drafting, and looks every 6th step 1.3% of the decode time
-    # (session 33). Not where nodes are cheap: counted there it spaced looks up to 6 steps apart at
-    # 1-2 streams and the level fell to 0.84x fixed k = 7 (session 31).
     # A plan is the best of many estimates, so its estimate is biased up (the optimizer's curse);
     # where a step's cost grows with every token (64 requests on a 2-core CPU) the best plans are
     # within a few percent of plain decoding. In one traced run at 64 requests, the 36 steps whose
@@ -274,8 +274,9 @@ class AdaptiveDraftLength:
         at, dear, floor = self._dear_at.get(num_reqs, (-16, False, 0.0))
         if self.steps - at >= 16:
             plain, doubled = self.step_cost.costs(num_reqs, [num_reqs, 2 * num_reqs])
-            one = self.step_cost.costs(1, [1])[0] if num_reqs > 1 else plain
-            floor = max(0.0, (plain - one) / (num_reqs - 1)) if num_reqs > 1 else 0.0
+            floor = 0.0
+            if num_reqs > 1:
+                floor = max(0.0, (plain - self.step_cost.costs(1, [1])[0]) / (num_reqs - 1))
             dear = max(doubled - plain, num_reqs * floor) >= self.DEAR_SHARE * plain
             self._dear_at[num_reqs] = (self.steps, dear, floor)
         return dear, floor

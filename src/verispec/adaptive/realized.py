@@ -28,11 +28,11 @@ then falls short of what the prediction exceeds by.
 Nodes are dear where verifying one node per request costs at least the policy's DEAR_SHARE
 (0.6) of a plain step, by the step cost's price or at the slope of plain steps from one request
 (the policy's `_nodes`; 0.69 at 32 streams and 0.81 at 64 on the 2-core AVX2 EPYC by session
-31's plain steps, 0.5 at 16, 0.06 at one). There a bin whose plans lately
-did not beat plain decoding by the margin (the median realized gain of MIN_LOSING fresh records below 1 + margin: `losing`) takes no plan at
-all, whatever it promises, and a cheap drafter does not draft there except on probes, until
-those records lapse (`closed`). There a node must be accepted nearly as often as it costs a
-plain token's share to pay, so plans live on a thin margin that the price's error eats: at 64
+31's plain steps, 0.5 at 16, 0.06 at one). There a bin whose plans lately did not beat plain
+decoding by the margin (the median realized gain of MIN_LOSING fresh records below 1 + margin:
+`losing`) takes no plan at all, whatever it promises, and a cheap drafter does not draft there
+except on probes, until those records lapse (`closed`). There a node must be accepted nearly as
+often as it costs a plain token's share to pay, so plans live on a thin margin that the price's error eats: at 64
 streams plans accepted 83-94% of the time realized a median 0.92-0.99x plain decoding while
 predicting 1.04-1.21x, and the overshoot, a median difference, let the plans predicted above it
 through (session 31: 0.943x plain decoding, 9-62 plans a round). With this gate the policy ran
