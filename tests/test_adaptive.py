@@ -667,19 +667,21 @@ def test_where_nothing_pays_probe_steps_still_verify_and_come_ever_rarer(draftin
 
 
 def test_a_packed_probe_verifies_the_surest_requests_that_a_quarter_of_a_step_pays_for():
-    """Where every token costs what a request's plain step costs (a CPU at high load), no node pays
-    and the planner verifies nothing; the probe step after it verifies the best node of the two
-    surest requests (8 requests: 8 x 1.25 = 10 tokens), not one node of each of the 8. A cold
-    estimator (under 256 observations) probes two there too (nodes are dear), but all 8 where a
-    node costs half a plain token (a plain step of 8 costs 8.0, of 16 12.0, of one 7.0)."""
+    """Where a token costs 1 beside a step's fixed 3 (a CPU at high load: 8 requests 11) and the
+    drafts are unsure, no node pays and the planner verifies nothing; the probe step after it
+    verifies the best node of the two surest requests (11 x 1.25 = 13.75: 2 more tokens), not one
+    node of each of the 8. A cold estimator (under 256 observations) probes two there too (nodes
+    are dear), but all 8 where a node costs half a plain token (a plain step of 8 costs 8.0, of
+    16 12.0, of one 7.0)."""
     from verispec.sequence import Sequence
 
-    policy = AdaptiveDraftLength(CostProfile([1, 64], [1.0, 64.0]), max_depth=2)
+    dear = CostProfile([1, 64], [4.0, 67.0])
+    policy = AdaptiveDraftLength(dear, max_depth=2)
     policy.step_cost.record = lambda *a, **kw: None
     policy.estimator.w, policy.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
     policy.estimator.observations = AdaptiveDraftLength.PROBE_ALL_UNTIL  # warm: probes are bounded
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=64), torch.Generator(), num_draft_tokens=2) for i in range(8)]
-    surety = [0.5, 2.0, -1.0, 3.0, 0.0, 1.0, -2.0, 1.5]  # logits of acceptance: requests 3 and 1 are the surest
+    surety = [-0.5, 1.0, -2.0, 2.0, -1.0, 0.0, -3.0, 0.5]  # logits of acceptance: requests 3 and 1 are the surest
     verified = []
     for step in range(2):
         assert policy.budgets(seqs, 2) == [2] * 8
@@ -689,7 +691,7 @@ def test_a_packed_probe_verifies_the_surest_requests_that_a_quarter_of_a_step_pa
         policy.observe(seqs, out, [Verdict(d.tokens[:1] or [9], 0, []) for d in out])
     assert verified == [[], [1, 3]]
     assert policy._probe
-    for profile, probed in ((CostProfile([1, 64], [1.0, 64.0]), [1, 1] + [0] * 6),
+    for profile, probed in ((dear, [1, 1] + [0] * 6),
                             (CostProfile([1, 8, 16], [7.0, 8.0, 12.0]), [1] * 8)):
         cold = AdaptiveDraftLength(profile, max_depth=2)
         cold.step_cost.record = lambda *a, **kw: None
@@ -767,13 +769,13 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
 
 
 @pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("one", [1.0, 7.9])
+@pytest.mark.parametrize("one", [2.4, 7.9])
 def test_where_plain_steps_grow_with_every_request_a_node_costs_at_least_their_slope(one, packed):
-    """8 requests, each drafting one node at chance 0.9. The profile prices a plain step of 8
-    tokens at 8.0 and one of 16 at 8.8, a node at 0.1: verified, 1.73x plain decoding by that
-    price. But a plain step of one request costs 1.0 there, so each of the 7 more requests added
-    1.0: a node, one more token through the body and the head, costs at least that (a step's
-    cost is convex in its tokens), and 8 nodes cost 8.0 more, 0.95x plain decoding: refused.
+    """8 requests, each drafting one node at chance 0.8. The profile prices a plain step of 8
+    tokens at 8.0 and one of 16 at 8.8, a node at 0.1: verified, 1.64x plain decoding by that
+    price. But a plain step of one request costs 2.4 there, so each of the 7 more requests added
+    0.8: a node, one more token through the body and the head, costs at least that (a step's
+    cost is convex in its tokens), and 8 nodes cost 6.4 more, 1.0x plain decoding: refused.
     Where one request's step costs 7.9 (the weights' reads set the step: the slope is 0.014),
     the nodes are priced as the profile says and verified. The same for packed chains and for
     padded windows (a window of 1 is also a forward of 16 tokens)."""
@@ -787,9 +789,53 @@ def test_where_plain_steps_grow_with_every_request_a_node_costs_at_least_their_s
             for i in range(8)]
     policy.budgets(seqs, 1)
     policy._probe = False
-    out = policy.admit(seqs, [Draft([4], features=[[logit_(0.9)]]) for _ in seqs], 0.0)
-    assert policy._nodes(8) == (one == 1.0, pytest.approx((8.0 - one) / 7))
-    assert sum(len(d.tokens) for d in out) == (0 if one == 1.0 else 8)
+    out = policy.admit(seqs, [Draft([4], features=[[logit_(0.8)]]) for _ in seqs], 0.0)
+    floor = (8.0 - one) / 7
+    assert policy._nodes(8) == (one == 2.4, pytest.approx(floor), pytest.approx(8.0 / (8 * floor)))
+    assert sum(len(d.tokens) for d in out) == (0 if one == 2.4 else 8)
+
+
+def test_where_no_plan_can_pay_nothing_is_drafted_not_even_probes():
+    """A step costs 8 plus 1 a token: at 64 requests a node costs at least 1 (the slope of plain
+    steps from one request), so a plan whose every node is accepted gains at most 72 / 64 = 1.125x
+    plain decoding, under MIN_CEILING. Drafts accepted with chance 0.99 are predicted 1.07x there
+    (past the margin, and taken without the ceiling), but nothing is drafted in 300 steps, no probe
+    either; a seeded sampled request (pinned) still drafts and verifies its k. At 8 requests the
+    ceiling is 2: the same drafts are drafted and verified."""
+    from verispec.sequence import Sequence
+
+    def run(policy, seqs, steps):
+        drafted, verified = 0, 0
+        for _ in range(steps):
+            ks = policy.budgets(seqs, 2)
+            drafted += sum(ks)
+            out = policy.admit(seqs, [Draft([4] * k, features=[[logit_(0.99)]] * k) for k in ks], 0.0)
+            verified += sum(len(d.tokens) for d in out)
+            policy.observe(seqs, out, [Verdict(d.tokens + [9], len(d.tokens), list(range(len(d.tokens)))) for d in out])
+        return drafted, verified
+
+    def requests(n, seeded=False):
+        params = SamplingParams(max_tokens=10**4, temperature=0.8, seed=1) if seeded else SamplingParams(max_tokens=10**4)
+        return [Sequence(100 * seeded + i, [1, 2, 3], params, torch.Generator(), num_draft_tokens=2) for i in range(n)]
+
+    def policy():
+        p = AdaptiveDraftLength(CostProfile([1, 64, 128], [9.0, 72.0, 136.0]), max_depth=2)
+        p.step_cost.record = lambda *a, **kw: None
+        p.estimator.w, p.estimator.b = torch.tensor([1.0], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        p.estimator.observe = lambda *a, **kw: None  # the confidence stays 0.99
+        return p
+
+    p = policy()
+    assert p._nodes(64)[2] == pytest.approx(1.125)
+    assert p._hopeless(64) and not p._hopeless(8)
+    assert run(p, requests(64), 300) == (0, 0)
+    assert run(p, requests(63) + requests(1, seeded=True), 10) == (20, 20)  # the pinned request's 2 nodes a step
+    assert run(p, requests(8), 10) == (160, 160)
+    # without the ceiling the planner takes the 64-request plan
+    p = policy()
+    p.MIN_CEILING = 1.0
+    drafted, verified = run(p, requests(64), 10)
+    assert verified >= 64 * 2 * 9
 
 
 @pytest.mark.parametrize("pair,dear", [(1.7, True), (1.5, False)])
@@ -1099,7 +1145,7 @@ def test_a_new_load_starts_the_probe_interval_again():
     depends on the load."""
     from verispec.sequence import Sequence
 
-    policy = AdaptiveDraftLength(CostProfile([1, 64, 512], [1.0, 64.0, 512.0]), max_depth=2)
+    policy = AdaptiveDraftLength(CostProfile([1, 64, 512], [17.0, 80.0, 528.0]), max_depth=2)
     policy.step_cost.record = lambda *a, **kw: None
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=10**4), torch.Generator(), num_draft_tokens=2)
             for i in range(64)]

@@ -87,6 +87,16 @@ class AdaptiveDraftLength:
     # 1.09x plain decoding where fixed k = 7 ran 1.70x (session 33), since a refused plan leaves
     # no record to lift it (realized.py).
     DEAR_SHARE = 0.6
+    # A plan's gain has a ceiling: with every node accepted and ever more of them, a step's tokens
+    # per second tend to one a node's price against plain decoding's num_reqs a plain step, and a
+    # node costs at least the floor (`_nodes`). Where that ceiling is under MIN_CEILING, a plan's
+    # predicted gain is within the errors of its acceptance estimate and its price (nodes
+    # accepted 85% of the time lose there, 95% gain under 6%), so nothing is drafted or verified,
+    # not even probes: what a probe learns is acceptance, which cannot make such a plan pay. At 64
+    # requests on the AVX-512 EPYC (ceiling 1.13) plans predicted 1.03-1.22x plain decoding, with
+    # 80-100% of their nodes accepted, ran at 0.96-1.0x (the traces of `adaptive-s33/ab64c`); at
+    # 32 requests the ceiling was 1.29.
+    MIN_CEILING = 1.2
     SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
     def __init__(self, profile: "CostProfile | Callable[[], CostProfile]", planner: str = "greedy",
@@ -119,7 +129,7 @@ class AdaptiveDraftLength:
         self._share = 0.0  # the priced seconds of this step's riders (a checked plan's realized gain leaves them out)
         self._with_riders = False  # this step's forward carries prompt chunks
         self._quiet_plain = False  # this step verifies nothing and carries no riders: plain decoding's speed
-        self._dear_at: dict[int, tuple[int, bool, float]] = {}  # batch size -> (step, `_nodes` then)
+        self._dear_at: dict[int, tuple[int, bool, float, float]] = {}  # batch size -> (step, `_nodes` then)
         self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
         self.last_admitted = 0
 
@@ -157,19 +167,23 @@ class AdaptiveDraftLength:
         drafted nodes at almost no cost; after a step that verified nothing, only every
         `look_every` steps. A dear drafter (a model's forward per node) drafts at most two more
         than last step's window, and nothing after a step that verified nothing. Probe steps
-        draft the full k. Only past steps decide this."""
+        draft the full k. Where no plan can pay (`MIN_CEILING`), nothing is drafted but a pinned
+        request's draft. Only past steps and the prices decide this."""
         self.steps += 1
         n = len(seqs)
         if self._probe_load is None or max(n, self._probe_load) >= self.LOAD_CHANGE * min(n, self._probe_load):
             self._probe_load, self._probe_every = n, self.PROBE_EVERY  # a new load: probe as a fresh policy would
             self._next_probe = min(self._next_probe, self.steps + self.PROBE_EVERY)
-        self._probe = self.width == 0 and self.steps >= self._next_probe
+        hopeless = self._hopeless(n)  # no plan can pay at this batch size: no draft, no probe
+        self._probe = self.width == 0 and self.steps >= self._next_probe and not hopeless
         if self._probe:
             self._next_probe = self.steps + self._probe_every
             self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
         elif self.width:  # a verified window gave verdicts: the next probe is an interval from here
             self._next_probe = self.steps + self._probe_every
-        if self.width is None or self._probe:
+        if hopeless:
+            self.width, adaptive_cap = 0, 0
+        elif self.width is None or self._probe:
             adaptive_cap = cap
         elif self.realized.closed(self.steps, n, self.MARGIN) and self._dear(n):  # plans lately lost: probes only
             self.width, adaptive_cap = 0, 0
@@ -243,7 +257,7 @@ class AdaptiveDraftLength:
             best = argmax(theta)
             choice = best if self._stale is None else min(self._stale, len(theta) - 1)
             self._stale = best  # used next step only: its survivals are then history
-        if not choice or theta[choice] < (1 + self.MARGIN) * theta[0]:
+        if not choice or theta[choice] < (1 + self.MARGIN) * theta[0] or self._hopeless(num_reqs):
             return 0
         if self._dear(num_reqs):  # where plans live on a thin margin, their record must allow it
             need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs, riders)
@@ -255,14 +269,19 @@ class AdaptiveDraftLength:
     def _dear(self, num_reqs: int) -> bool:
         return self._nodes(num_reqs)[0]
 
-    def _nodes(self, num_reqs: int) -> tuple[bool, float]:
-        """(dear, floor) at num_reqs requests, as the step cost prices them (again every 16 steps:
-        pricing an unseen count fits the bin's line, 0.3 ms, a fiftieth of a one-request step on a
-        fast CPU). floor: the slope of plain steps from one request to num_reqs, what a node costs
-        at least where a step's cost is convex in its tokens (flat while the weights' reads set it,
-        then a line), as a node is one more token through the body and the LM head like a
-        request's own. dear: one node per request costs at least DEAR_SHARE of a plain step, by
-        the price or by the floor.
+    def _hopeless(self, num_reqs: int) -> bool:
+        return self._nodes(num_reqs)[2] < self.MIN_CEILING
+
+    def _nodes(self, num_reqs: int) -> tuple[bool, float, float]:
+        """(dear, floor, ceiling) at num_reqs requests, as the step cost prices them (again every
+        16 steps: pricing an unseen count fits the bin's line, 0.3 ms, a fiftieth of a one-request
+        step on a fast CPU). floor: the slope of plain steps from one request to num_reqs, what a
+        node costs at least where a step's cost is convex in its tokens (flat while the weights'
+        reads set it, then a line), as a node is one more token through the body and the LM head
+        like a request's own, in a forward of num_reqs tokens or more (prompt chunks riding
+        along). dear: one node per request costs at least DEAR_SHARE of a plain step, by the price
+        or by the floor. ceiling: a plain step over num_reqs nodes at the floor, the most any plan
+        can gain (`MIN_CEILING`).
 
         Why the floor: a bin's live line fits the head rows' slope from its few plan steps. At 64
         requests on the AVX-512 EPYC it priced a node at 1.25 ms where nodes cost 1.9 ms, as much
@@ -271,20 +290,21 @@ class AdaptiveDraftLength:
         1.0x and staggered the requests' finishes (session 33: 0.96x plain decoding by the sweep's
         measure, 0.99x by the level's time). There the floor is 1.6 ms; on the AVX2 EPYC, 5.2 ms
         where nodes cost 5.2-5.8 (session 31)."""
-        at, dear, floor = self._dear_at.get(num_reqs, (-16, False, 0.0))
+        at, dear, floor, ceiling = self._dear_at.get(num_reqs, (-16, False, 0.0, math.inf))
         if self.steps - at >= 16:
             plain, doubled = self.step_cost.costs(num_reqs, [num_reqs, 2 * num_reqs])
             floor = 0.0
             if num_reqs > 1:
                 floor = max(0.0, (plain - self.step_cost.costs(1, [1])[0]) / (num_reqs - 1))
             dear = max(doubled - plain, num_reqs * floor) >= self.DEAR_SHARE * plain
-            self._dear_at[num_reqs] = (self.steps, dear, floor)
-        return dear, floor
+            ceiling = plain / (num_reqs * floor) if floor > 0 else math.inf
+            self._dear_at[num_reqs] = (self.steps, dear, floor, ceiling)
+        return dear, floor, ceiling
 
     def _floored(self, num_reqs: int, costs: list[float], nodes: list[int]) -> list[float]:
         """Plans' costs (costs[i] for nodes[i] verified nodes, nodes[0] = 0) where nodes are dear:
         each node at least the floor (`_nodes`)."""
-        dear, floor = self._nodes(num_reqs)
+        dear, floor, _ = self._nodes(num_reqs)
         if not dear or not floor:
             return costs
         return [max(c, costs[0] + k * floor) for c, k in zip(costs, nodes)]
