@@ -769,13 +769,13 @@ def test_a_plan_must_also_beat_what_plans_at_its_batch_size_lately_overshot(monk
 
 
 @pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("one", [2.4, 7.9])
+@pytest.mark.parametrize("one", [2.5, 7.9])
 def test_where_plain_steps_grow_with_every_request_a_node_costs_at_least_their_slope(one, packed):
     """8 requests, each drafting one node at chance 0.8. The profile prices a plain step of 8
     tokens at 8.0 and one of 16 at 8.8, a node at 0.1: verified, 1.64x plain decoding by that
-    price. But a plain step of one request costs 2.4 there, so each of the 7 more requests added
-    0.8: a node, one more token through the body and the head, costs at least that (a step's
-    cost is convex in its tokens), and 8 nodes cost 6.4 more, 1.0x plain decoding: refused.
+    price. But a plain step of one request costs 2.5 there, so each of the 7 more requests added
+    0.79: a node, one more token through the body and the head, costs at least that (a step's
+    cost is convex in its tokens), and 8 nodes cost 6.3 more, 1.01x plain decoding: refused.
     Where one request's step costs 7.9 (the weights' reads set the step: the slope is 0.014),
     the nodes are priced as the profile says and verified. The same for packed chains and for
     padded windows (a window of 1 is also a forward of 16 tokens)."""
@@ -791,8 +791,8 @@ def test_where_plain_steps_grow_with_every_request_a_node_costs_at_least_their_s
     policy._probe = False
     out = policy.admit(seqs, [Draft([4], features=[[logit_(0.8)]]) for _ in seqs], 0.0)
     floor = (8.0 - one) / 7
-    assert policy._nodes(8) == (one == 2.4, pytest.approx(floor), pytest.approx(8.0 / (8 * floor)))
-    assert sum(len(d.tokens) for d in out) == (0 if one == 2.4 else 8)
+    assert policy._nodes(8) == (one == 2.5, pytest.approx(floor), pytest.approx(8.0 / (8 * floor)))
+    assert sum(len(d.tokens) for d in out) == (0 if one == 2.5 else 8)
 
 
 def test_where_no_plan_can_pay_nothing_is_drafted_not_even_probes():
@@ -1145,7 +1145,7 @@ def test_a_new_load_starts_the_probe_interval_again():
     depends on the load."""
     from verispec.sequence import Sequence
 
-    policy = AdaptiveDraftLength(CostProfile([1, 64, 512], [17.0, 80.0, 528.0]), max_depth=2)
+    policy = AdaptiveDraftLength(CostProfile([1, 64, 512], [25.0, 88.0, 536.0]), max_depth=2)
     policy.step_cost.record = lambda *a, **kw: None
     seqs = [Sequence(i, [1, 2, 3], SamplingParams(max_tokens=10**4), torch.Generator(), num_draft_tokens=2)
             for i in range(64)]

@@ -90,13 +90,13 @@ class AdaptiveDraftLength:
     # A plan's gain has a ceiling: with every node accepted and ever more of them, a step's tokens
     # per second tend to one a node's price against plain decoding's num_reqs a plain step, and a
     # node costs at least the floor (`_nodes`). Where that ceiling is under MIN_CEILING, a plan's
-    # predicted gain is within the errors of its acceptance estimate and its price (nodes
-    # accepted 85% of the time lose there, 95% gain under 6%), so nothing is drafted or verified,
-    # not even probes: what a probe learns is acceptance, which cannot make such a plan pay. At 64
-    # requests on the AVX-512 EPYC (ceiling 1.13) plans predicted 1.03-1.22x plain decoding, with
-    # 80-100% of their nodes accepted, ran at 0.96-1.0x (the traces of `adaptive-s33/ab64c`); at
-    # 32 requests the ceiling was 1.29.
-    MIN_CEILING = 1.2
+    # predicted gain is within the errors of its acceptance estimate and its price (one node per
+    # request accepted 85% of the time gains 3%, at 95% 8%), so nothing is drafted or verified,
+    # not even probes: what a probe learns is acceptance, which cannot make such a plan pay. At
+    # 64 requests on the AVX-512 EPYC plans predicted 1.03-1.22x plain decoding, with 80-100% of
+    # their nodes accepted, ran at 0.96-1.0x (the traces of `adaptive-s33/ab64c`). The ceiling
+    # there is 1.17, 1.22 at 48 requests, 1.34 at 32 (the profile of `adaptive-s34/ab64b`).
+    MIN_CEILING = 1.25
     SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
     def __init__(self, profile: "CostProfile | Callable[[], CostProfile]", planner: str = "greedy",
@@ -280,8 +280,11 @@ class AdaptiveDraftLength:
         reads set it, then a line), as a node is one more token through the body and the LM head
         like a request's own, in a forward of num_reqs tokens or more (prompt chunks riding
         along). dear: one node per request costs at least DEAR_SHARE of a plain step, by the price
-        or by the floor. ceiling: a plain step over num_reqs nodes at the floor, the most any plan
-        can gain (`MIN_CEILING`).
+        or by the floor. ceiling: the most any plan can gain (`MIN_CEILING`), a plain step over
+        num_reqs nodes at the floor, both by the profile's shape (the forward of num_reqs tokens
+        against that of one): the live price of a one-request step, below every forward a
+        64-stream level had seen, came from that shape scaled by whichever small forward was
+        seen, and moved the ceiling at 64 requests from 1.17 to 1.29 within a level (session 34).
 
         Why the floor: a bin's live line fits the head rows' slope from its few plan steps. At 64
         requests on the AVX-512 EPYC it priced a node at 1.25 ms where nodes cost 1.9 ms, as much
@@ -297,7 +300,8 @@ class AdaptiveDraftLength:
             if num_reqs > 1:
                 floor = max(0.0, (plain - self.step_cost.costs(1, [1])[0]) / (num_reqs - 1))
             dear = max(doubled - plain, num_reqs * floor) >= self.DEAR_SHARE * plain
-            ceiling = plain / (num_reqs * floor) if floor > 0 else math.inf
+            one, full = self.profile.verify_cost(1), self.profile.verify_cost(num_reqs)
+            ceiling = full * (num_reqs - 1) / (num_reqs * (full - one)) if full > one else math.inf
             self._dear_at[num_reqs] = (self.steps, dear, floor, ceiling)
         return dear, floor, ceiling
 
