@@ -95,7 +95,8 @@ class AdaptiveDraftLength:
     # not even probes: what a probe learns is acceptance, which cannot make such a plan pay. At
     # 64 requests on the AVX-512 EPYC plans predicted 1.03-1.22x plain decoding, with 80-100% of
     # their nodes accepted, ran at 0.96-1.0x (the traces of `adaptive-s33/ab64c`). The ceiling
-    # there is 1.17, 1.22 at 48 requests, 1.34 at 32 (the profile of `adaptive-s34/ab64b`).
+    # there is 1.17-1.20, 1.22-1.26 at 48 requests, 1.34-1.41 at 32, 1.8-2.1 at 16 (the profiles
+    # of session 34's runs).
     MIN_CEILING = 1.25
     SURVIVAL_FLOOR = 1e-3  # nodes less likely than this are never worth a token's cost: not ranked
 
