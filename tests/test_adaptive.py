@@ -801,13 +801,14 @@ def test_where_no_plan_can_pay_nothing_is_drafted_not_even_probes():
     plain decoding, under MIN_CEILING. Drafts accepted with chance 0.99 are predicted 1.07x there
     (past the margin, and taken without the ceiling), but nothing is drafted in 300 steps, no probe
     either; a seeded sampled request (pinned) still drafts and verifies its k. At 8 requests the
-    ceiling is 2: the same drafts are drafted and verified."""
+    ceiling is 2: the same drafts are drafted and verified, but not while 56 more hold slots with
+    their prompts prefilling (a full batch's first wave): the load is judged at 64."""
     from verispec.sequence import Sequence
 
-    def run(policy, seqs, steps):
+    def run(policy, seqs, steps, holding=0):
         drafted, verified = 0, 0
         for _ in range(steps):
-            ks = policy.budgets(seqs, 2)
+            ks = policy.budgets(seqs, 2, holding)
             drafted += sum(ks)
             out = policy.admit(seqs, [Draft([4] * k, features=[[logit_(0.99)]] * k) for k in ks], 0.0)
             verified += sum(len(d.tokens) for d in out)
@@ -830,6 +831,7 @@ def test_where_no_plan_can_pay_nothing_is_drafted_not_even_probes():
     assert p._hopeless(64) and not p._hopeless(8)
     assert run(p, requests(64), 300) == (0, 0)
     assert run(p, requests(63) + requests(1, seeded=True), 10) == (20, 20)  # the pinned request's 2 nodes a step
+    assert run(p, requests(8), 10, holding=64) == (0, 0)  # 56 more hold slots, their prompts prefilling
     assert run(p, requests(8), 10) == (160, 160)
     # without the ceiling the planner takes the 64-request plan
     p = policy()

@@ -216,7 +216,7 @@ class Engine:
         in the same forward where it is packed: a request admitted beside running ones then costs
         its prompt's rows, not a forward of its own (a straggler's prefill read every weight and
         the LM head again). Elsewhere they run first, in a forward of their own."""
-        budgets = self.policy.budgets(seqs, self.config.num_draft_tokens)  # KV slack is sized for it
+        budgets = self.policy.budgets(seqs, self.config.num_draft_tokens, self.num_active)  # KV slack is sized for it
         t0 = time.perf_counter()  # the drafter's own time (the policy's is not what it costs to draft)
         drafts = self._propose(seqs, budgets)
         draft_seconds = time.perf_counter() - t0

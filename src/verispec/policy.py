@@ -18,8 +18,9 @@ from .verify import Verdict
 
 
 class DraftLengthPolicy(Protocol):
-    def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
-        """Draft nodes each request may propose this step (0: no speculation), at most `cap`."""
+    def budgets(self, seqs: list[Sequence], cap: int, holding: int = 0) -> list[int]:
+        """Draft nodes each request may propose this step (0: no speculation), at most `cap`;
+        `holding`: the requests holding a KV slot, these and those whose prompts are prefilling."""
         ...
 
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
@@ -42,7 +43,7 @@ class FixedDraftLength:
     """Every request drafts its own `num_draft_tokens` (the engine default or the request's),
     never more than the tokens it still may emit minus the bonus."""
 
-    def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
+    def budgets(self, seqs: list[Sequence], cap: int, holding: int = 0) -> list[int]:
         return [max(0, min(s.num_draft_tokens, cap, s.params.max_tokens - s.num_output - 1)) for s in seqs]
 
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:

@@ -130,6 +130,7 @@ class AdaptiveDraftLength:
         self._share = 0.0  # the priced seconds of this step's riders (a checked plan's realized gain leaves them out)
         self._with_riders = False  # this step's forward carries prompt chunks
         self._quiet_plain = False  # this step verifies nothing and carries no riders: plain decoding's speed
+        self._hopeless_now = False  # this step's load is past the ceiling (`budgets`)
         self._dear_at: dict[int, tuple[int, bool, float, float]] = {}  # batch size -> (step, `_nodes` then)
         self.last_drafted = 0  # nodes drafted / admitted in the last step (metrics)
         self.last_admitted = 0
@@ -162,20 +163,22 @@ class AdaptiveDraftLength:
         if not isinstance(self._profile, CostProfile) or self._profile.tokens[-1] < max_tokens:
             self._profile = load  # (a factory not yet called is replaced by the engine's own)
 
-    def budgets(self, seqs: list[Sequence], cap: int) -> list[int]:
+    def budgets(self, seqs: list[Sequence], cap: int, holding: int = 0) -> list[int]:
         """How many nodes each request may draft: its own k when drafting is cheap (under
         CHEAP_DRAFT of a plain step: the n-gram lookup), since the planner then chooses among the
         drafted nodes at almost no cost; after a step that verified nothing, only every
         `look_every` steps. A dear drafter (a model's forward per node) drafts at most two more
         than last step's window, and nothing after a step that verified nothing. Probe steps
         draft the full k. Where no plan can pay (`MIN_CEILING`), nothing is drafted but a pinned
-        request's draft. Only past steps and the prices decide this."""
+        request's draft; that is judged at the requests holding a slot (`holding`: the running
+        ones and those whose prompts are being prefilled, which join the batch within a few steps
+        while their chunks ride in its forwards). Only past steps and the prices decide this."""
         self.steps += 1
         n = len(seqs)
         if self._probe_load is None or max(n, self._probe_load) >= self.LOAD_CHANGE * min(n, self._probe_load):
             self._probe_load, self._probe_every = n, self.PROBE_EVERY  # a new load: probe as a fresh policy would
             self._next_probe = min(self._next_probe, self.steps + self.PROBE_EVERY)
-        hopeless = self._hopeless(n)  # no plan can pay at this batch size: no draft, no probe
+        hopeless = self._hopeless_now = self._hopeless(max(n, holding))  # no plan can pay: no draft, no probe
         self._probe = self.width == 0 and self.steps >= self._next_probe and not hopeless
         if self._probe:
             self._next_probe = self.steps + self._probe_every
@@ -258,7 +261,7 @@ class AdaptiveDraftLength:
             best = argmax(theta)
             choice = best if self._stale is None else min(self._stale, len(theta) - 1)
             self._stale = best  # used next step only: its survivals are then history
-        if not choice or theta[choice] < (1 + self.MARGIN) * theta[0] or self._hopeless(num_reqs):
+        if not choice or theta[choice] < (1 + self.MARGIN) * theta[0] or self._hopeless_now:
             return 0
         if self._dear(num_reqs):  # where plans live on a thin margin, their record must allow it
             need = 1 + self.MARGIN + self.realized.overshoot(self.steps, num_reqs, riders)
