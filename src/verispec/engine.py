@@ -1,7 +1,7 @@
 """The engine: requests in, tokens out, one speculative step at a time for the whole batch.
 
     step():  admit + prefill new requests   (KV slots permitting; the rest wait)
-             plan    -> policy.budgets(running)       draft nodes per request (policy.py)
+             plan    -> policy.budgets(running, holding)   draft nodes per request (policy.py)
              draft   -> drafter.propose(running, budgets)   a chain or a token tree each
              verify  -> ONE target forward over [last token, draft nodes] per request
              accept  -> verifier.verify(...)           lossless chain / tree rule (verify/)

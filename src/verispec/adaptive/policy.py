@@ -92,8 +92,9 @@ class AdaptiveDraftLength:
     # node costs at least the floor (`_nodes`). Where that ceiling is under MIN_CEILING, a plan's
     # predicted gain is within the errors of its acceptance estimate and its price (one node per
     # request accepted 85% of the time gains 3%, at 95% 8%), so nothing is drafted or verified,
-    # not even probes: what a probe learns is acceptance, which cannot make such a plan pay. At
-    # 64 requests on the AVX-512 EPYC plans predicted 1.03-1.22x plain decoding, with 80-100% of
+    # not even probes: what a probe learns is acceptance, which cannot make such a plan pay. It
+    # is judged at the requests holding a slot, prefilling ones included (`budgets`). At 64
+    # requests on the AVX-512 EPYC plans predicted 1.03-1.22x plain decoding, with 80-100% of
     # their nodes accepted, ran at 0.96-1.0x (the traces of `adaptive-s33/ab64c`). The ceiling
     # there is 1.17-1.20, 1.22-1.26 at 48 requests, 1.34-1.41 at 32, 1.8-2.1 at 16 (the profiles
     # of session 34's runs).
