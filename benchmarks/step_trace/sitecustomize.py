@@ -12,7 +12,9 @@ at exit or on SIGTERM, with one record per engine step:
     under the adaptive policy: drafted / admitted / accepted nodes, draft_s, probe, predicted
     (the plan's predicted throughput over plain decoding's), cost_plan / cost_plain (their priced
     seconds), expected (accepted tokens the plan expected), head_priced (the profile's head cost),
-    floor / ceiling (a node's least price and a plan's most gain at this batch size, `_nodes`);
+    load (the requests holding a slot, running or prefilling), floor / ceiling (a node's least
+    price and a plan's most gain at that load, `_nodes`), hopeless (the ceiling is under
+    MIN_CEILING: nothing drafted but pinned drafts);
 
 and the client of a server sweep (`verispec bench --sweep-via server`) records each level's
 server URL, concurrency and start and end ("levels").
@@ -127,6 +129,15 @@ def _patch_policy(mod) -> None:
 
     Policy._floored = recorded_floor
 
+    budgets = Policy.budgets
+    load = [0]  # the requests budgets judged the ceiling at: running, and prefilling ones
+
+    def traced_budgets(self, seqs, cap, holding=0):
+        load[0] = max(len(seqs), holding)
+        return budgets(self, seqs, cap, holding)
+
+    Policy.budgets = traced_budgets
+
     def traced_admit(self, seqs, drafts, draft_seconds):
         theta[:], costs[:] = [0.0], []
         out = admit(self, seqs, drafts, draft_seconds)
@@ -135,9 +146,9 @@ def _patch_policy(mod) -> None:
             chosen = theta[min(self.last_admitted, len(theta) - 1)]
             rec.update(drafted=self.last_drafted, admitted=self.last_admitted, probe=self._probe,
                        draft_s=draft_seconds, predicted=chosen / theta[0] if theta[0] else None)
-            nodes = self._dear_at.get(len(seqs))  # (step, dear, floor, ceiling) as budgets last priced them
+            nodes = self._dear_at.get(load[0])  # (step, dear, floor, ceiling) as budgets last priced them
             if nodes is not None:
-                rec.update(floor=nodes[2], ceiling=nodes[3])
+                rec.update(load=load[0], floor=nodes[2], ceiling=nodes[3], hopeless=self._hopeless_now)
             b = min(self.last_admitted, len(theta) - 1)
             if theta[0] and len(costs) == len(theta):  # the plan's priced step and plain decoding's, seconds
                 rec.update(cost_plan=costs[b], cost_plain=costs[0], expected=chosen * costs[b] - len(seqs))

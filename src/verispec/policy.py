@@ -19,8 +19,9 @@ from .verify import Verdict
 
 class DraftLengthPolicy(Protocol):
     def budgets(self, seqs: list[Sequence], cap: int, holding: int = 0) -> list[int]:
-        """Draft nodes each request may propose this step (0: no speculation), at most `cap`;
-        `holding`: the requests holding a KV slot, these and those whose prompts are prefilling."""
+        """Draft nodes each request may propose this step (0: no speculation), at most `cap`.
+        `holding`: the requests holding a KV slot, `seqs` and those whose prompts are still being
+        prefilled (0 where the caller does not say)."""
         ...
 
     def admit(self, seqs: list[Sequence], drafts: list[Draft], draft_seconds: float) -> list[Draft]:
