@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 
-from verispec.threads import choose_wait_policy
+from verispec.threads import choose_wait_policy, setup_threads
 
 choose_wait_policy()
 
@@ -55,6 +55,17 @@ def one_round(model, tok, prompts, batch: int, tokens: int, drafter: str | None)
     return (sum(s.num_output for s in seqs) - done0) / (time.perf_counter() - t), sum(len(s.prompt_ids) for s in seqs) / prefill_s
 
 
+def anon_huge_mb() -> float | None:
+    """The process's anonymous memory in transparent huge pages, MB (Linux), as a check on what
+    THP_MEM_ALLOC_ENABLE or a huge-page mapping did."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+    except (OSError, StopIteration):
+        return None
+    return kb / 1024
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
@@ -64,8 +75,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    setup_threads(a.threads)  # as every command: the thread count and the freed memory kept
     model = load_model(a.model, torch.bfloat16, "cpu")
     tok = load_tokenizer(a.model)
     prompts = [encode_chat(tok, model.config.model_type, [{"role": "user", "content": p.turns[0]}])[:400]
@@ -74,7 +84,8 @@ def main() -> None:
         runs = [one_round(model, tok, prompts, b, a.tokens, a.drafter) for _ in range(a.rounds)]
         rates, prefill = [r for r, _ in runs], [p for _, p in runs]
         print(json.dumps({"batch": b, "drafter": a.drafter, "tokens": a.tokens, "tok_s": round(statistics.median(rates), 2),
-                          "prefill_tok_s": round(statistics.median(prefill), 1), "rounds": [round(r, 2) for r in rates]}),
+                          "prefill_tok_s": round(statistics.median(prefill), 1), "rounds": [round(r, 2) for r in rates],
+                          "anon_huge_mb": anon_huge_mb()}),
               flush=True)
 
 

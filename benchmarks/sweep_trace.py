@@ -10,7 +10,7 @@ The client's record of each level (server, concurrency, start and end) picks eac
 of the level and round; the sweep's warm-up is left out. Per level and method: the engine
 steps, the time the engine thread spent in them against their span (the rest is the
 worker's loop: handing tokens to the event loop, admitting requests, waiting), tokens emitted per
-second of span, tau over decode steps, the median full-batch decode step and, for the adaptive
+second of span, tau over decode steps, the median full-batch decode step (its LM head, its minor page faults) and, for the adaptive
 policy, its plans and probes and how they ran against the plain server's median full-batch step
 at the same level and round.
 """
@@ -68,6 +68,9 @@ def summary(steps: list[dict], level: int, plain_step: float | None) -> dict:
         "steps": len(steps), "span_s": span, "engine_busy": sum(r["s"] for r in steps) / span,
         "tok_s": emitted / span, "tau": emitted / sum(r["n"] for r in decode) if decode else None,
         "full_steps": len(full), "quiet_full_step_ms": statistics.median(quiet) * 1e3 if quiet else None,
+        # the quiet full steps' LM head and the minor page faults a step took (fresh pages zeroed)
+        "quiet_head_ms": med(r["head_s"] * 1e3 for r in full if "head_s" in r and not r.get("admitted") and not r["prompt"]),
+        "quiet_faults": med(r["faults"] for r in full if "faults" in r and not r.get("admitted") and not r["prompt"]),
         "rider_steps": len(riders), "rider_s": sum(r["s"] for r in riders),
         "prefill_steps": sum(r["kind"] == "prefill" for r in steps),
         "prefill_s": sum(r["s"] for r in steps if r["kind"] == "prefill"),
@@ -126,7 +129,8 @@ def main() -> None:
         s["client_s"] = lv["t1"] - lv["t0"]
         line = (f"{c:3d} r{r + 1} {name:20s} level {s['client_s']:5.1f} s, engine busy {s['engine_busy']:.0%} of its "
                 f"{s['span_s']:.1f} s, tau {s['tau']:.2f}, {s['steps']} steps (mean batch {s['mean_batch']:.1f}), quiet full "
-                f"step {s['quiet_full_step_ms'] or float('nan'):.1f} ms, riders {s['rider_steps']} ({s['rider_s']:.1f} s), "
+                f"step {s['quiet_full_step_ms'] or float('nan'):.1f} ms (head {s['quiet_head_ms'] or float('nan'):.1f} ms, "
+                f"{s['quiet_faults'] if s['quiet_faults'] is not None else float('nan'):.0f} page faults), riders {s['rider_steps']} ({s['rider_s']:.1f} s), "
                 f"prefills {s['prefill_steps']} ({s['prefill_s']:.1f} s)")
         if "plans" in s:
             line += (f"\n        verifying {s['verifying_steps']} (plans {s['plans']}, probes {s['probes']}), drafting "

@@ -6,9 +6,10 @@ at exit or on SIGTERM, with one record per engine step:
     t (perf_counter at the step's start: CLOCK_MONOTONIC, comparable across processes), method
     (the engine's: plain or drafter@k=K@policy, and #its number in this process),
     s (seconds), kind (decode / prefill), n (running requests), prompt (prompt tokens in the
-    step), emitted (decode tokens), head_s / head_rows (the LM head call), gc_s / gc_full (the
-    seconds of Python's garbage collections, on any thread, and the full ones among them, while
-    the step ran);
+    step), emitted (decode tokens), head_s / head_rows / head_faults (the LM head call and the
+    minor page faults the process took during it), faults (the process's minor page faults, any
+    thread, while the step ran: fresh pages the kernel zeroed), gc_s / gc_full (the seconds of
+    Python's garbage collections, on any thread, and the full ones among them, while the step ran);
     under the adaptive policy: drafted / admitted / accepted nodes, draft_s, probe, predicted
     (the plan's predicted throughput over plain decoding's), cost_plan / cost_plain (their priced
     seconds), expected (accepted tokens the plan expected), head_priced (the profile's head cost),
@@ -31,6 +32,7 @@ import gc
 import importlib.abc
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -61,9 +63,10 @@ def _patch_engine(mod) -> None:
         t = time.perf_counter()
         rec = {"t": t, "kind": "decode", "n": len(seqs), "prompt": sum(len(c[2]) for c in chunks[0]), "method": _method(self)}
         CURRENT[0] = self._trace_rec = rec
-        gc_s, gc_full = GC["seconds"], GC["full"]
+        gc_s, gc_full, faults = GC["seconds"], GC["full"], _faults()
         events = decode(self, seqs, chunks)
         rec["s"] = time.perf_counter() - t
+        rec["faults"] = _faults() - faults
         rec["gc_s"], rec["gc_full"] = GC["seconds"] - gc_s, GC["full"] - gc_full
         ids = {id(q) for q in seqs}  # not the first tokens of prompts that ended in this step
         rec["emitted"] = sum(len(e.new_tokens) for e in events if id(e.seq) in ids)
@@ -82,12 +85,13 @@ def _patch_engine(mod) -> None:
     head = Engine._head
 
     def traced_head(self, h, seqs):
-        t = time.perf_counter()
+        t, faults = time.perf_counter(), _faults()
         out = head(self, h, seqs)
         rec = CURRENT[0] if getattr(self, "_trace_rec", None) is not None else None
         if rec is not None:
             rec["head_s"] = rec.get("head_s", 0.0) + time.perf_counter() - t
             rec["head_rows"] = rec.get("head_rows", 0) + h.shape[0]
+            rec["head_faults"] = rec.get("head_faults", 0) + _faults() - faults
         return out
 
     Engine._head = traced_head
@@ -173,6 +177,11 @@ def _method(engine) -> str:
     c = engine.config
     name = "plain" if c.drafter is None else f"{c.drafter}@k={c.num_draft_tokens}@{c.draft_policy}"
     return f"{name}#{engine._trace_no}"
+
+
+def _faults() -> int:
+    """The process's minor page faults so far (every thread)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _current():
