@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The load benchmark: concurrency 1, 2, 4, 8, 16, 32 through the continuous-batching engine in process
-# and through `verispec serve` over HTTP (one server process per method, all alive together, methods
+# and through `verispec serve` over HTTP (one server process per method each round, alive together, methods
 # rotated per level), plain decoding and the n-gram drafter (k = 5), Gemma 3 270M bf16, greedy,
 # 64 streamed tokens per request; the single-stream part on the first LIMIT MT-Bench + LIMIT HumanEval
 # prompts, the sweep on distinct prompts from both sets (those first). Every output is checked against

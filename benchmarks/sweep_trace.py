@@ -18,6 +18,7 @@ at the same level and round.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -101,12 +102,12 @@ def main() -> None:
     ap.add_argument("trace", type=Path)
     ap.add_argument("--json", type=Path, help="write the per-level summaries here")
     args = ap.parse_args()
-    servers, levels = {}, []
-    for f in sorted(args.trace.glob("*.json")):
-        d = json.loads(f.read_text())
+    servers, levels = {}, []  # url: [(method, records)], a server per method and round (a port may recur)
+    for f in sorted(list(args.trace.glob("*.json")) + list(args.trace.glob("*.json.gz"))):
+        d = json.loads(gzip.open(f).read() if f.suffix == ".gz" else f.read_text())
         if "serve" in d["argv"]:
             port = d["argv"][d["argv"].index("--port") + 1]
-            servers[f"http://127.0.0.1:{port}"] = (method(d["argv"]), d["records"])
+            servers.setdefault(f"http://127.0.0.1:{port}", []).append((method(d["argv"]), d["records"]))
         levels += d.get("levels", [])
     if not servers or not levels:
         raise SystemExit(f"no server traces or no client levels in {args.trace}")
@@ -114,12 +115,12 @@ def main() -> None:
     for lv in sorted(levels, key=lambda lv: lv["t0"]):
         if lv["requests"] == 2 or lv["url"] not in servers:  # the sweep's warm-up
             continue
-        name, records = servers[lv["url"]]
-        c = lv["concurrency"]
-        r = rounds[(name, c)] = rounds.get((name, c), -1) + 1
-        steps = sorted((x for x in records if lv["t0"] <= x["t"] <= lv["t1"]), key=lambda x: x["t"])
-        if steps:
-            table[(name, r, c)] = (lv, steps)
+        for name, records in servers[lv["url"]]:
+            steps = sorted((x for x in records if lv["t0"] <= x["t"] <= lv["t1"]), key=lambda x: x["t"])
+            if steps:  # the server at this url during the level
+                c = lv["concurrency"]
+                r = rounds[(name, c)] = rounds.get((name, c), -1) + 1
+                table[(name, r, c)] = (lv, steps)
     out = {}
     for key in sorted(table, key=lambda k: (k[2], k[1], k[0] != "plain")):
         name, r, c = key

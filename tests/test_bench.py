@@ -536,6 +536,50 @@ def test_server_sweep_streams_the_same_greedy_text(tmp_path):
     assert "ngram (server)" in (tmp_path / "report.md").read_text()
 
 
+def test_server_sweep_starts_fresh_servers_every_round(monkeypatch):
+    """A process runs the same forwards at a speed of its own, so each round of a server sweep gets
+    new servers, one per method, alive together through the round and stopped after it: every level
+    of a round goes to that round's server of its method, and the waits each chose are reported."""
+    from verispec.bench import server_sweep as S
+
+    started, log = [], []
+
+    class FakeServer:
+        def __init__(self, *args, threads=None):
+            self.method = args[args.index("--drafter") + 1]
+            self.url, self.stopped = f"http://fake/{len(started)}", False
+            started.append(self)
+
+        def wait_ready(self):
+            return self
+
+        def output(self):
+            return "verispec: OpenMP waits: default spins (idle)\n"
+
+        def stop(self):
+            self.stopped = True
+
+    async def fake_level(url, model, reqs, concurrency, max_tokens):
+        srv = next(s for s in started if s.url == url)
+        assert not srv.stopped and all(not s.stopped for s in started[-2:])  # the round's servers are alive
+        log.append((srv.method, concurrency, started.index(srv)))
+        return 1.0, [{"tokens": max_tokens, "admitted_s": 0.0, "end_s": 1.0, "ttft_s": 0.1, "tpot_s": 0.01}
+                     for _ in reqs]
+
+    monkeypatch.setattr(S, "ServerProcess", FakeServer)
+    monkeypatch.setattr(S, "_level", fake_level)
+    monkeypatch.setattr(S, "_counters", lambda url: {})
+    prompts = [P.Prompt("mtbench", f"p{i}", "writing", "chat", ["x"], ids=[1, 2]) for i in range(4)]
+    points = S.run_server_sweep("m", [None, "ngram"], 5, "bfloat16", [1, 2], prompts, 4, 64, rounds=3)
+    assert [s.method for s in started] == ["none", "ngram"] * 3 and all(s.stopped for s in started)
+    for r in range(3):  # round r's warm-ups and levels went to servers 2r and 2r + 1
+        mine = [x for x in log if x[2] in (2 * r, 2 * r + 1)]
+        assert {(m, i) for m, _, i in mine} == {("none", 2 * r), ("ngram", 2 * r + 1)}
+        assert sorted(c for _, c, _ in mine) == [1, 1, 2, 2, 2, 2]  # two warm-ups (2 in flight) and two levels each
+    assert len(points) == 4 and all(len(p["throughput_rounds"]) == 3 for p in points)
+    assert {p["openmp_waits"] for p in points} == {"default spins (idle)"}
+
+
 def test_sweep_keeps_a_methods_policy_through_the_load_levels(tiny, monkeypatch):
     """An adaptive policy learns acceptance and step costs; in the sweep it lives through every
     level of its method, as in a server process, and is never shared between methods."""

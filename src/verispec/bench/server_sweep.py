@@ -1,8 +1,12 @@
 """The load sweep through the HTTP server: what a user of `verispec serve` sees under load.
 
-One `verispec serve` process per method (plain = `--drafter none`), all started before the sweep
-and alive together, so each level and round runs every method back to back in a rotated order and
-machine noise hits them alike (an idle server costs no CPU). At each concurrency level the same
+One `verispec serve` process per method (plain = `--drafter none`), started afresh for every round
+and alive together through it, so each level runs every method back to back in a rotated order and
+machine noise hits them alike (an idle server costs no CPU). Fresh each round because a process
+runs the same forwards at a speed of its own: at 32 streams the policy's server, running plain
+decoding's very schedule, took 4-5% less per full-batch step than the plain server in both rounds
+of a sweep, and one process per method for the whole sweep carried that into every round, where a
+median over rounds cannot average it (BENCHMARKS.md, session 35). At each concurrency level the same
 requests as the in-process sweep (`runner.sweep_requests`: a first wave, the measured requests and
 a wave behind them, from the sweep's pool of distinct prompts) are streamed with that many in flight
 at once (greedy, `ignore_eos`, token-id prompts); time to first token and time per output token are
@@ -77,28 +81,41 @@ def _counters(url: str) -> dict[str, float]:
     return out
 
 
+def _start_servers(model: str, drafters: list[str | None], k: int, dtype: str, max_batch: int, max_model_len: int,
+                   threads: int | None, quant: str, device: str, waits: dict[str | None, set[str]]) -> dict:
+    """A server per method, started one at a time (each reads the machine's load when it starts,
+    threads.py, and must find the others idle, or the methods would run with different OpenMP
+    waits); the waits each chose are added to `waits`. A failed start stops those started."""
+    servers: dict = {}
+    try:
+        for spec in drafters:
+            drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else ("none", "chain", 0, "fixed")
+            args = ["--model", model, "--drafter", drafter, "-k", str(kk), "--tree", tree, "--draft-policy", policy,
+                    "--dtype", dtype, "--quant", quant, "--max-batch-size", str(max_batch), "--max-model-len", str(max_model_len),
+                    "--prefill-chunk", "256", "--device", device]
+            servers[spec] = ServerProcess(*args, threads=threads).wait_ready()
+            waits[spec].add(next((ln.split("OpenMP waits: ", 1)[1] for ln in servers[spec].output().splitlines()
+                                  if "OpenMP waits: " in ln), "unknown"))
+    except BaseException:
+        for srv in servers.values():
+            srv.stop()
+        raise
+    return servers
+
+
 def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str, concurrency: list[int],
                      prompts: list[Prompt], max_tokens: int, max_model_len: int, rounds: int = 1,
                      threads: int | None = None, progress: Callable[[str], None] | None = None,
                      quant: str = "none", pool: list[Prompt] | None = None, device: str = "cpu") -> list[dict]:
     """Sweep points (the in-process sweep's dict shape, `"via": "server"`), medians over rounds."""
     names = {spec: f"{spec or 'plain'} (server)" for spec in drafters}
-    servers, waits = {}, {}
-    try:
-        for spec in drafters:
-            drafter, tree, kk, policy = parse_method_spec(spec, k) if spec else ("none", "chain", 0, "fixed")
-            args = ["--model", model, "--drafter", drafter, "-k", str(kk), "--tree", tree, "--draft-policy", policy,
-                    "--dtype", dtype, "--quant", quant, "--max-batch-size", str(max(concurrency)), "--max-model-len", str(max_model_len),
-                    "--prefill-chunk", "256", "--device", device]
-            # one at a time: each server reads the machine's load when it starts (threads.py) and
-            # must find the others idle, or the methods would run with different OpenMP waits
-            servers[spec] = ServerProcess(*args, threads=threads).wait_ready()
-            waits[spec] = next((ln.split("OpenMP waits: ", 1)[1] for ln in servers[spec].output().splitlines()
-                                if "OpenMP waits: " in ln), "unknown")
-        for spec, srv in servers.items():
-            asyncio.run(_level(srv.url, model, prompts[:2], 2, 4))  # warm-up, untimed
-        runs: dict[tuple, list] = {}
-        for r in range(rounds):
+    waits: dict[str | None, set[str]] = {spec: set() for spec in drafters}
+    runs: dict[tuple, list] = {}
+    for r in range(rounds):
+        servers = _start_servers(model, drafters, k, dtype, max(concurrency), max_model_len, threads, quant, device, waits)
+        try:
+            for spec, srv in servers.items():
+                asyncio.run(_level(srv.url, model, prompts[:2], 2, 4))  # warm-up, untimed
             for c in concurrency:
                 reqs = sweep_requests(prompts, c, pool)
                 order = list(servers)
@@ -118,9 +135,9 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
                         tok = sum(x["tokens"] for x in rows)
                         progress(f"server sweep {names[spec]} @ {c}, round {r + 1}: {busy:.1f} tok/s "
                                  f"({tok / seconds:.1f} with the drain)")
-    finally:
-        for srv in servers.values():
-            srv.stop()
+        finally:
+            for srv in servers.values():
+                srv.stop()
     points = []
     for (spec, c), reps in runs.items():
         seconds = statistics.median(s for s, _, _, _ in reps)
@@ -129,7 +146,7 @@ def run_server_sweep(model: str, drafters: list[str | None], k: int, dtype: str,
         tpots = [x["tpot_s"] for x in rows if x["tpot_s"]]
         taus = [t for _, _, t, _ in reps if t]
         points.append({
-            "method": names[spec], "via": "server", "concurrency": c, "requests": len(reps[0][1]), "openmp_waits": waits[spec],
+            "method": names[spec], "via": "server", "concurrency": c, "requests": len(reps[0][1]), "openmp_waits": ", ".join(sorted(waits[spec])),
             "output_tokens": tokens, "seconds": seconds,
             "throughput_tok_s": statistics.median(th for _, _, _, th in reps),
             "throughput_rounds": [th for _, _, _, th in reps],
