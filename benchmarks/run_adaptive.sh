@@ -7,7 +7,9 @@
 # or batched at the same level). Throughput against per-user speed is plotted in load_sweep.png.
 #
 # The verify cost profile is measured first on the idle machine (`verispec profile --remeasure`), so
-# that the adaptive runs plan with the costs of this machine at rest.
+# that the adaptive runs plan with the costs of this machine at rest, and up to 1,024 tokens, the
+# largest forward of a 64-request engine with k = 7 and a 256-token chunk (`engine.profile_tokens`):
+# measured to 512 only, every adaptive server measured the rest as it started, in the sweep.
 #
 # The results in BENCHMARKS.md: `OUT=benchmarks/results/adaptive benchmarks/run_adaptive.sh`.
 set -euo pipefail
@@ -19,7 +21,7 @@ CONCURRENCY="${CONCURRENCY:-1,2,4,8,16,32,64}"
 mkdir -p "$OUT"
 
 "$VERISPEC" profile --model "${MODEL:-gemma3-270m}" --dtype bfloat16 --threads "${THREADS:-2}" --remeasure \
-    --max-tokens 512 --max-batch-size 64 --plot "$OUT/cost_profile.png" | tee "$OUT/cost_profile.txt"
+    --max-tokens 1024 --max-batch-size 64 --plot "$OUT/cost_profile.png" | tee "$OUT/cost_profile.txt"
 
 "$VERISPEC" bench \
     --model "${MODEL:-gemma3-270m}" --dtype bfloat16 \

@@ -415,7 +415,8 @@ def test_a_carried_policy_reaches_the_forwards_of_its_new_engine(tmp_path, monke
     """A load sweep hands one adaptive policy from engine to engine up the levels: its cost profile
     must reach each engine's largest forward (every request's root and k nodes, and a prompt chunk
     riding along), not stay the 64 tokens it was measured to at one stream; the step times it has
-    seen stay, a smaller engine measures nothing, and a caller's own profile is never replaced."""
+    seen stay, a smaller engine measures nothing, and a caller's own profile is never replaced.
+    Each engine loads (or measures) the profile as it starts, not in a request's first step."""
     from verispec.engine import profile_tokens
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
@@ -424,18 +425,22 @@ def test_a_carried_policy_reaches_the_forwards_of_its_new_engine(tmp_path, monke
     real = C.measure
     monkeypatch.setattr(C, "measure", lambda model, n, b, **kw: calls.append(n) or real(model, n, b, repeats=1))
 
-    def engine(max_batch, policy=None):
-        cfg = EngineConfig(model="unused", drafter=None, num_draft_tokens=4, dtype="float32", max_batch_size=max_batch,
-                           max_model_len=64)
-        return Engine(target, None, cfg, NgramDrafter(), policy=policy)
+    def config(max_batch):
+        return EngineConfig(model="unused", drafter=None, num_draft_tokens=4, dtype="float32", max_batch_size=max_batch,
+                            max_model_len=64)
 
-    assert [profile_tokens(engine(b).config) for b in (1, 2, 8)] == [8, 512, 512]
-    assert profile_tokens(dataclasses.replace(engine(1).config, max_batch_size=64, num_draft_tokens=7)) == 1024
+    def engine(max_batch, policy=None):
+        return Engine(target, None, config(max_batch), NgramDrafter(), policy=policy)
+
+    assert [profile_tokens(config(b)) for b in (1, 2, 8)] == [8, 512, 512]
+    assert profile_tokens(dataclasses.replace(config(1), max_batch_size=64, num_draft_tokens=7)) == 1024
     policy = engine(1).policy
-    assert policy.step_cost.profile.tokens[-1] == 64 and calls == [64]  # at least 64 tokens (load_or_measure)
+    assert calls == [64]  # as the engine started, at least 64 tokens (load_or_measure)
+    assert policy.step_cost.profile.tokens[-1] == 64
     policy.step_cost.record(10, 0.5)
     engine(8, policy)
-    assert policy.step_cost.profile.tokens[-1] == 512 and calls == [64, 512]
+    assert calls == [64, 512]  # as the engine started
+    assert policy.step_cost.profile.tokens[-1] == 512
     assert 10 in policy.step_cost.seen  # the times seen stay
     engine(2, policy)  # reaches no further: nothing measured, the same profile
     assert policy.step_cost.profile.tokens[-1] == 512 and calls == [64, 512]

@@ -128,6 +128,10 @@ class Engine:
         self.policy = policy or make_policy(config, model, drafter)
         if policy is not None and hasattr(policy, "reach"):  # carried from another engine, maybe a smaller one
             policy.reach(profile_tokens(config), profile_loader(config, model))
+        if drafter is not None and hasattr(self.policy, "profile"):
+            # the cost profile at engine start, loaded or measured (minutes, once per machine): in a
+            # request's first step it stalled a fresh server's first requests for 213 s (session 35)
+            _ = self.policy.profile
         self.tree = TreeShape.parse(config.draft_tree)
         # chains verify packed, one entry per node, where attention reads the cache in place (CPU)
         self.packs_chains = model.device.type == "cpu"
@@ -479,8 +483,8 @@ class Engine:
 
 
 def make_policy(config: EngineConfig, model: CausalLM, drafter: Drafter | None) -> DraftLengthPolicy:
-    """The draft-length policy the config names. The adaptive ones measure the verify cost
-    profile on first use (cached per machine and model: adaptive/costs.py)."""
+    """The draft-length policy the config names. The adaptive ones load the verify cost profile
+    when the engine starts (measured once per machine and model, then cached: adaptive/costs.py)."""
     if config.draft_policy == "fixed" or drafter is None or config.num_draft_tokens == 0:
         return FixedDraftLength()
     from .adaptive.policy import AdaptiveDraftLength
@@ -501,7 +505,8 @@ def profile_tokens(config: EngineConfig) -> int:
 
 
 def profile_loader(config: EngineConfig, model: CausalLM):
-    """The engine's cost profile, loaded (or measured, once per machine and model) on first use."""
+    """The engine's cost profile, loaded (or measured, once per machine and model) when called: the
+    engine calls it as it starts (a carried policy's, if its own profile stops short)."""
     from .adaptive.costs import load_or_measure
 
     max_tokens = profile_tokens(config)

@@ -105,7 +105,7 @@ class AdaptiveDraftLength:
                  max_depth: int = 64, refit_every: int = 100):
         if planner not in PLANNERS:
             raise ValueError(f"unknown planner {planner!r}; choose from {', '.join(PLANNERS)}")
-        self._profile = profile  # a CostProfile, or a function that measures or loads one on first use
+        self._profile = profile  # a CostProfile, or a function that measures or loads one (the engine calls it as it starts)
         self._given = isinstance(profile, CostProfile)  # a caller's own profile stays (`reach`)
         self.planner = planner
         self.estimator = AcceptanceEstimator(max_depth, refit_every)
