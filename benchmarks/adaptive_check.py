@@ -25,19 +25,16 @@ def main(path: str) -> int:
         drains[(via, p["concurrency"])][name] = p.get("drain_throughput_tok_s")
     rows, ok_all = [], True
     for (via, c), m in sorted(points.items()):
-        adaptive = [v for k, v in m.items() if "policy=" not in k and k != "plain"]
-        fixed = {k: v for k, v in m.items() if "policy=fixed" in k}
-        if not adaptive or "plain" not in m:  # (a run without fixed k compares with plain decoding alone)
+        adaptive = next((k for k in m if "policy=" not in k and k != "plain"), None)
+        baselines = [k for k in m if k == "plain" or "policy=fixed" in k]
+        if adaptive is None or "plain" not in m:  # (a run without fixed k compares with plain decoding alone)
             continue
-        best_name, best = max([("plain", m["plain"]), *fixed.items()], key=lambda x: x[1])
-        a = adaptive[0]
+        best_name, best = max(((k, m[k]) for k in baselines), key=lambda x: x[1])
+        a = m[adaptive]
         ok = a >= 0.97 * best
         ok_all &= ok
         d = drains[(via, c)]
-        by_drain = "–"
-        if all(d.get(k) for k in m):
-            name_a = next(k for k in m if "policy=" not in k and k != "plain")
-            by_drain = f"{d[name_a] / max(v for k, v in d.items() if k == 'plain' or 'policy=fixed' in k):.3f}"
+        by_drain = f"{d[adaptive] / max(d[k] for k in baselines):.3f}" if all(d.get(k) for k in m) else "–"
         rows.append(f"| {via} | {c} | {m['plain']:.1f} | {best_name} {best:.1f} | {a:.1f} | {a / best:.3f} | "
                     f"{a / m['plain']:.2f}x | {'yes' if ok else 'NO'} | {by_drain} |")
     print("| path | concurrency | plain tok/s | best of plain and fixed k | adaptive tok/s | adaptive / best | "

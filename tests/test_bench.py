@@ -550,7 +550,7 @@ def test_server_sweep_starts_fresh_servers_every_round(monkeypatch):
             self.url, self.stopped = f"http://fake/{len(started)}", False
             started.append(self)
 
-        def wait_ready(self):
+        def wait_ready(self, timeout=300):
             return self
 
         def output(self):

@@ -2,11 +2,14 @@
 
 One `verispec serve` process per method (plain = `--drafter none`), started afresh for every round
 and alive together through it, so each level runs every method back to back in a rotated order and
-machine noise hits them alike (an idle server costs no CPU). Fresh each round because a process
-runs the same forwards at a speed of its own: at 32 streams the policy's server, running plain
-decoding's very schedule, took 4-5% less per full-batch step than the plain server in both rounds
-of a sweep, and one process per method for the whole sweep carried that into every round, where a
-median over rounds cannot average it (BENCHMARKS.md, session 35). At each concurrency level the same
+machine noise hits them alike (an idle server costs no CPU). Fresh each round because two
+processes can run the same forwards at different speeds: at 32 streams the policy's server,
+running plain decoding's very schedule, took 4-5% less per full-batch step than the plain server
+in both rounds of a sweep (BENCHMARKS.md, session 35; whether the process or the minutes set it
+was not told apart there). One process per method for the whole sweep would carry such a
+difference into every round, where a median over rounds cannot average it. So an adaptive
+policy lives through one round's levels, as in a server under a changing load, and starts cold
+in the next. At each concurrency level the same
 requests as the in-process sweep (`runner.sweep_requests`: a first wave, the measured requests and
 a wave behind them, from the sweep's pool of distinct prompts) are streamed with that many in flight
 at once (greedy, `ignore_eos`, token-id prompts); time to first token and time per output token are
@@ -93,7 +96,9 @@ def _start_servers(model: str, drafters: list[str | None], k: int, dtype: str, m
             args = ["--model", model, "--drafter", drafter, "-k", str(kk), "--tree", tree, "--draft-policy", policy,
                     "--dtype", dtype, "--quant", quant, "--max-batch-size", str(max_batch), "--max-model-len", str(max_model_len),
                     "--prefill-chunk", "256", "--device", device]
-            servers[spec] = ServerProcess(*args, threads=threads).wait_ready()
+            # a server whose cached cost profile stops short of its largest forward measures it
+            # before it is ready (to 1,024 tokens: 213 s on the 2-core AVX2 EPYC)
+            servers[spec] = ServerProcess(*args, threads=threads).wait_ready(timeout=1800)
             waits[spec].add(next((ln.split("OpenMP waits: ", 1)[1] for ln in servers[spec].output().splitlines()
                                   if "OpenMP waits: " in ln), "unknown"))
     except BaseException:
